@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run a command inside the project's virtual environment, creating it first if needed.
+#   scripts/venv.sh python -m jaxrl.demo
+#   scripts/venv.sh python -m pytest -q
+# Needs only Python 3.11 on PATH (python3.11, or python3 when it is 3.11). The environment lives in
+# .venv/ (override with JAXRL_VENV); it is re-synced when pyproject.toml changes.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${JAXRL_VENV:-$root/.venv}"
+py="$(command -v python3.11 || command -v python3)"
+"$py" -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ needed, found " + sys.version' 
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[venv] creating $venv" >&2
+  "$py" -m venv "$venv"
+fi
+stamp="$venv/.jaxrl-installed"
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+  echo "[venv] installing jaxrl[test] (first run takes a few minutes)" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q -e "$root[test]" >&2
+  touch "$stamp"
+fi
+cd "$root"
+exec "$venv/bin/"${1:?usage: scripts/venv.sh COMMAND [ARGS...]} "${@:2}"
