@@ -1,0 +1,1 @@
+"""jaxrl: on-policy RL post-training of LLMs on sharded JAX meshes."""

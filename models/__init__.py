@@ -1,0 +1,15 @@
+"""Decoder LLM family (Llama-3.x, Qwen2.5, Qwen3): configs, weight pytrees, pure forward functions, HF I/O.
+
+    from models import load_hf, save_hf, forward
+    cfg, weights = load_hf("path/to/hf_dir", dtype=jnp.float32)
+    logits = forward(weights, cfg, tokens)            # [B, T] int32 -> [B, T, vocab]
+    save_hf("out_dir", cfg, weights)
+"""
+
+from .config import PRESETS, ModelConfig, RopeScaling, preset
+from .weights import LOGICAL_AXES, ArraySpec, Layers, Weights, abstract, init, is_spec, logical_axes, weight_specs
+
+__all__ = [
+    "PRESETS", "ModelConfig", "RopeScaling", "preset",
+    "LOGICAL_AXES", "ArraySpec", "Layers", "Weights", "abstract", "init", "is_spec", "logical_axes", "weight_specs",
+]

@@ -1,0 +1,160 @@
+"""Model weights as registered-dataclass pytrees with logical axis names.
+
+Per-layer tensors are stacked on a leading `layers` axis so the forward pass can `lax.scan` over
+layers and resharding can move one layer at a time. Every leaf is described by an `ArraySpec`
+(shape, dtype, logical axes, initializer); `abstract`, `logical_axes` and `init` are derived from the
+one `weight_specs(cfg)` tree, so the three never disagree. Optional tensors (biases, q/k norms, an
+untied LM head) are `None` when the architecture has none.
+
+Logical axes used (mapped to mesh axes only in `sharding/`):
+  layers, vocab, embed, heads, kv_heads, head_dim, mlp
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """Shape, dtype and logical axes of one weight leaf (a pytree leaf, not a node)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]
+    init: Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+        unknown = [a for a in self.axes if a is not None and a not in LOGICAL_AXES]
+        if unknown:
+            raise ValueError(f"unknown logical axes {unknown}; valid: {LOGICAL_AXES}")
+
+
+def _pytree(cls):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=())
+
+
+@_pytree
+class Layers:
+    """All decoder layers, stacked on axis 0 (`layers`)."""
+
+    attn_norm: Any          # [L, embed]
+    wq: Any                 # [L, embed, heads, head_dim]
+    wk: Any                 # [L, embed, kv_heads, head_dim]
+    wv: Any                 # [L, embed, kv_heads, head_dim]
+    wo: Any                 # [L, heads, head_dim, embed]
+    mlp_norm: Any           # [L, embed]
+    w_gate: Any             # [L, embed, mlp]
+    w_up: Any               # [L, embed, mlp]
+    w_down: Any             # [L, mlp, embed]
+    bq: Any = None          # [L, heads, head_dim]      (qkv_bias)
+    bk: Any = None          # [L, kv_heads, head_dim]   (qkv_bias)
+    bv: Any = None          # [L, kv_heads, head_dim]   (qkv_bias)
+    q_norm: Any = None      # [L, head_dim]             (qk_norm)
+    k_norm: Any = None      # [L, head_dim]             (qk_norm)
+
+
+@_pytree
+class Weights:
+    embed: Any              # [vocab, embed]
+    layers: Layers
+    final_norm: Any         # [embed]
+    lm_head: Any = None     # [embed, vocab]; None when tied to `embed`
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ArraySpec)
+
+
+def _normal(fan_in_dims: tuple[int, ...]):
+    """Scaled normal init: std = 1/sqrt(fan_in), fan_in = product of the given (non-layer) dims."""
+
+    def init(key, shape, dtype):
+        fan_in = math.prod(shape[d] for d in fan_in_dims)
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    return init
+
+
+def _ones(key, shape, dtype):
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def _zeros(key, shape, dtype):
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def _embed_init(key, shape, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+
+def weight_specs(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
+    """The `ArraySpec` of every leaf, for `cfg`, in `dtype`."""
+    L, E, H, K, D, M, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.vocab_size)
+
+    def spec(shape, axes, init):
+        return ArraySpec(tuple(shape), dtype, tuple(axes), init)
+
+    bias = lambda heads, name: spec((L, heads, D), ("layers", name, "head_dim"), _zeros) if cfg.qkv_bias else None
+    norm = lambda: spec((L, D), ("layers", "head_dim"), _ones) if cfg.qk_norm else None
+    layers = Layers(
+        attn_norm=spec((L, E), ("layers", "embed"), _ones),
+        wq=spec((L, E, H, D), ("layers", "embed", "heads", "head_dim"), _normal((1,))),
+        wk=spec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), _normal((1,))),
+        wv=spec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), _normal((1,))),
+        wo=spec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), _normal((1, 2))),
+        mlp_norm=spec((L, E), ("layers", "embed"), _ones),
+        w_gate=spec((L, E, M), ("layers", "embed", "mlp"), _normal((1,))),
+        w_up=spec((L, E, M), ("layers", "embed", "mlp"), _normal((1,))),
+        w_down=spec((L, M, E), ("layers", "mlp", "embed"), _normal((1,))),
+        bq=bias(H, "heads"), bk=bias(K, "kv_heads"), bv=bias(K, "kv_heads"),
+        q_norm=norm(), k_norm=norm(),
+    )
+    return Weights(
+        embed=spec((V, E), ("vocab", "embed"), _embed_init),
+        layers=layers,
+        final_norm=spec((E,), ("embed",), _ones),
+        lm_head=None if cfg.tie_embeddings else spec((E, V), ("embed", "vocab"), _normal((0,))),
+    )
+
+
+def abstract(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
+    """`jax.ShapeDtypeStruct` leaves: shapes without memory (for eval_shape, sharding, memory plans)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), weight_specs(cfg, dtype), is_leaf=is_spec)
+
+
+def logical_axes(cfg: ModelConfig) -> Weights:
+    """A `Weights` tree whose leaves are `ArraySpec`s; read `.axes` (see `sharding.shardings_for`)."""
+    return weight_specs(cfg)
+
+
+def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights | None = None) -> Weights:
+    """Random weights. With `shardings` (a `Weights` tree of `jax.sharding.Sharding`), each leaf is
+    created directly in its sharding by one jitted program, so no device ever holds a whole leaf."""
+    specs = weight_specs(cfg, dtype)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    out_shardings = None if shardings is None else tuple(jax.tree.leaves(shardings))
+    if out_shardings is not None and len(out_shardings) != len(leaves):
+        raise ValueError(f"shardings tree has {len(out_shardings)} leaves, weights have {len(leaves)}")
+
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        return tuple(s.init(k, s.shape, s.dtype) for k, s in zip(keys, leaves))
+
+    return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=out_shardings)(key))
