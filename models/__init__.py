@@ -13,3 +13,8 @@ __all__ = [
     "PRESETS", "ModelConfig", "RopeScaling", "preset",
     "LOGICAL_AXES", "ArraySpec", "Layers", "Weights", "abstract", "init", "is_spec", "logical_axes", "weight_specs",
 ]
+
+from .forward import forward, lm_head  # noqa: E402
+from .hf import CheckpointError, config_from_hf, config_to_hf, load_hf, save_hf  # noqa: E402
+
+__all__ += ["forward", "lm_head", "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
