@@ -18,3 +18,6 @@ from .forward import forward, lm_head  # noqa: E402
 from .hf import CheckpointError, config_from_hf, config_to_hf, load_hf, save_hf  # noqa: E402
 
 __all__ += ["forward", "lm_head", "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
+from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer  # noqa: E402
+
+__all__ += ["CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]

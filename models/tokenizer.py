@@ -1,0 +1,126 @@
+"""Tokenizers: HF `tokenizer.json` (via the `tokenizers` library) with its chat template, and a
+built-in character-level tokenizer for the built-in tasks (no downloads).
+
+Both expose the same small surface the RL system needs: `encode`, `decode`, `apply_chat_template`,
+`vocab_size`, `eos_ids`, `pad_id`. Chat templates are rendered the way `transformers` renders them:
+Jinja2 in a sandboxed environment with `trim_blocks`/`lstrip_blocks`, `raise_exception` and `tojson`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+from typing import Protocol, Sequence
+
+Message = dict[str, str]
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str: ...
+
+
+def _render(template: str, messages: list[Message], add_generation_prompt: bool, **special) -> str:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+
+
+class HFTokenizer:
+    """`tokenizer.json` + `tokenizer_config.json` (chat template, special tokens) from an HF directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as _Tok
+
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        self._tok = _Tok.from_file(str(path / "tokenizer.json"))
+        conf_path = path / "tokenizer_config.json"
+        self.config = json.loads(conf_path.read_text()) if conf_path.exists() else {}
+        template = self.config.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: use "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        self.chat_template = template
+        self.special = {k: self._token_str(self.config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = self.special["eos_token"]
+        gen_conf = path / "generation_config.json"
+        eos_ids = []
+        if gen_conf.exists():
+            e = json.loads(gen_conf.read_text()).get("eos_token_id")
+            eos_ids = list(e) if isinstance(e, list) else ([e] if e is not None else [])
+        if eos is not None and self._tok.token_to_id(eos) is not None:
+            eos_ids.append(self._tok.token_to_id(eos))
+        self.eos_ids = tuple(dict.fromkeys(eos_ids))
+        pad = self.special["pad_token"]
+        self.pad_id = self._tok.token_to_id(pad) if pad is not None and self._tok.token_to_id(pad) is not None \
+            else (self.eos_ids[0] if self.eos_ids else 0)
+
+    @staticmethod
+    def _token_str(t):
+        return t.get("content") if isinstance(t, dict) else t
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        return _render(self.chat_template, messages, add_generation_prompt,
+                       **{k: v for k, v in self.special.items() if v is not None})
+
+
+class CharTokenizer:
+    """Printable-ASCII character tokenizer with <pad>=0, <bos>=1, <eos>=2 and a plain chat format.
+
+    Unknown characters map to '?'. Used by the built-in tasks so the quickstart needs no download.
+    """
+
+    SPECIAL = ("<pad>", "<bos>", "<eos>")
+
+    def __init__(self):
+        chars = string.printable
+        self._itos = list(self.SPECIAL) + list(chars)
+        self._stoi = {c: i for i, c in enumerate(self._itos)}
+        self.vocab_size = len(self._itos)
+        self.pad_id, self.bos_id, self.eos_ids = 0, 1, (2,)
+
+    def encode(self, text: str) -> list[int]:
+        unk = self._stoi["?"]
+        return [self._stoi.get(c, unk) for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        n = len(self.SPECIAL)
+        return "".join(self._itos[i] for i in ids if not (skip_special_tokens and i < n))
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+
+def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
+    """`HFTokenizer(path)`, or the built-in `CharTokenizer` when path is None or "char"."""
+    if path is None or str(path) == "char":
+        return CharTokenizer()
+    return HFTokenizer(path)
