@@ -1,0 +1,21 @@
+"""Meshes, sharding rules and resharding for the project's weights (and KV caches).
+
+    from sharding import Layout, ShardingRules, shardings_for, reshard, split_devices
+    mesh = Layout(fsdp=4, tp=2).make_mesh(jax.devices())
+    train = shardings_for(models.logical_axes(cfg), mesh, ShardingRules.train(cfg, Layout(fsdp=4, tp=2)))
+    instances = [Layout(tp=2).make_mesh(d) for d in split_devices(jax.devices(), 4)]
+    rollout_weights, report = reshard(weights, shardings_for(models.logical_axes(cfg), instances[0],
+                                                             ShardingRules.rollout(cfg, Layout(tp=2))))
+
+Golden snapshots of the rules: `python -m sharding.golden [--update]`.
+"""
+
+from .layout import MESH_AXES, Layout, split_devices
+from .reshard import ReshardReport, is_layer_path, leaf_bytes_moved, reshard, reshard_bytes
+from .rules import ROLES, ShardingRules, logical_to_spec, path_str, shardings_for, specs_for
+
+__all__ = [
+    "MESH_AXES", "Layout", "split_devices",
+    "ROLES", "ShardingRules", "logical_to_spec", "path_str", "shardings_for", "specs_for",
+    "ReshardReport", "is_layer_path", "leaf_bytes_moved", "reshard", "reshard_bytes",
+]
