@@ -1,0 +1,31 @@
+"""Typed configuration: nested frozen dataclasses, YAML as their serialised form, dotted CLI overrides.
+
+    from jaxrl.config import DemoConfig, parse_cli, CONFIGS_DIR
+    cfg = parse_cli(DemoConfig, default_yaml=CONFIGS_DIR / "demo.yaml")   # exits 2 on a bad config
+    model_cfg, layout = cfg.model.model_config(), cfg.mesh.train.build()
+
+`python -m jaxrl.demo --config configs/demo.yaml model.preset=qwen3-0.6b mesh.train.fsdp=4` —
+see loading.py for the command-line grammar and base.py for how to add a section.
+"""
+
+from pathlib import Path
+
+from .base import ConfigError, Section, check_choice, check_float, check_int, check_str, decode
+from .demo import DemoConfig
+from .loading import from_yaml, from_yaml_file, load_config, parse_cli, to_yaml
+from .sections import DTYPES, LayoutSection, MeshSection, ModelSection
+
+# configs/ of a source checkout (the YAML files are not installed as package data).
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+# Every YAML file in configs/ and the config class it is the serialised form of (tests check both ways).
+CONFIG_CLASSES: dict[str, type[Section]] = {
+    "demo.yaml": DemoConfig,
+}
+
+__all__ = [
+    "CONFIGS_DIR", "CONFIG_CLASSES", "DTYPES",
+    "ConfigError", "Section", "check_choice", "check_float", "check_int", "check_str", "decode",
+    "DemoConfig", "LayoutSection", "MeshSection", "ModelSection",
+    "from_yaml", "from_yaml_file", "load_config", "parse_cli", "to_yaml",
+]

@@ -1,0 +1,94 @@
+"""Config sections shared by every entry point: the model, and the device layouts for training and rollout."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from models.config import PRESETS, ModelConfig, preset
+
+from .base import Section, check_choice, check_int, check_str
+
+if TYPE_CHECKING:
+    import jax.numpy as jnp
+
+    from sharding import Layout
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(Section):
+    """Which model to run: a named preset (`models.config.PRESETS`) or a local HF checkpoint.
+
+    `hf_path`, when set, wins over `preset` (the preset is still validated). Whether the directory
+    exists is checked by `model_config()`, not here, so a saved config still loads on another machine.
+    `dtype` is the parameter and activation dtype.
+    """
+
+    preset: str = "tiny-qwen3"
+    hf_path: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        check_choice("preset", self.preset, sorted(PRESETS))
+        check_str("hf_path", self.hf_path, allow_none=True)
+        check_choice("dtype", self.dtype, DTYPES)
+
+    def model_config(self) -> ModelConfig:
+        """The ModelConfig: read from `hf_path`'s config.json when set, else the preset."""
+        if self.hf_path is None:
+            return preset(self.preset)
+        # Imported here, so that the HF import code (and anything wrong with it) is only touched when a
+        # config actually names a checkpoint.
+        from models import config_from_hf
+
+        return config_from_hf(self.hf_path)
+
+    def jnp_dtype(self) -> jnp.dtype:
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSection(Section):
+    """A device layout: data-parallel × FSDP × tensor-parallel sizes (mirrors `sharding.Layout`)."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "fsdp", "tp"):
+            check_int(name, getattr(self, name), minimum=1)
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.fsdp * self.tp
+
+    def build(self) -> Layout:
+        from sharding import Layout
+
+        return Layout(dp=self.dp, fsdp=self.fsdp, tp=self.tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection(Section):
+    """How devices are used: the training layout, and rollout as `rollout_instances` TP groups.
+
+    The defaults use one device. Training and rollout may share devices or use disjoint pools; which
+    one is the entry point's decision, so no relation between the two device counts is enforced here.
+    """
+
+    train: LayoutSection = dataclasses.field(default_factory=LayoutSection)
+    rollout_tp: int = 1
+    rollout_instances: int = 1
+
+    def __post_init__(self):
+        check_int("rollout_tp", self.rollout_tp, minimum=1)
+        check_int("rollout_instances", self.rollout_instances, minimum=1)
+
+    @property
+    def rollout_devices(self) -> int:
+        return self.rollout_tp * self.rollout_instances
