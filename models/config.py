@@ -105,7 +105,7 @@ PRESETS: dict[str, ModelConfig] = {
                               rms_norm_eps=1e-6, max_position_embeddings=32768, qkv_bias=True),
     # Tiny test/demo models: same code paths (GQA, head_dim != hidden/heads, bias, qk-norm, rope scaling, tying).
     "tiny-qwen3": ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
-                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0,
+                              num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0,
                               max_position_embeddings=2048, qk_norm=True, tie_embeddings=True),
     "tiny-llama": ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=160,
                               num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, rope_theta=500_000.0,
