@@ -40,7 +40,9 @@ def test_save_hf_loads_in_transformers(case, tmp_path):
     cfg2, weights = load_hf(d)
     save_hf(tmp_path, cfg2, weights)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="float32").eval()
-    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(model, tokens), atol=ATOL_F32, rtol=0)
+    diff = np.abs(hf_logits(reloaded, tokens) - hf_logits(model, tokens)).max()
+    print(f"SAVE_HF {name}: max abs diff {diff:.2e}")
+    assert diff <= ATOL_F32
     # and our own round trip is exact
     _, again = load_hf(tmp_path)
     for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(again)):
