@@ -1,0 +1,255 @@
+"""One rollout instance: a TP group on its own sub-mesh with its own paged KV pool and scheduler.
+
+Continuous batching, per `launch()`:
+  1. admit waiting sequences (FCFS) while their pages fit and the batch has room; a GRPO group of n
+     samples is admitted together and prefilled once (prefix sharing);
+  2. prefill admitted sequences in chunks of `prefill_chunk` tokens (positions [0, len-1));
+     siblings then share the prompt's full pages and copy the page holding the last prompt position;
+  3. make sure every running sequence owns the page its next position lands in; when the pool is
+     empty, preempt the most recently admitted sequence (pages freed, recomputed later; counted);
+  4. dispatch one decode step for the running set, padded to a power-of-two batch bucket.
+`collect()` reads the sampled tokens back, appends them and retires finished sequences at once.
+`launch` never blocks on device results, so a service dispatches every instance before collecting.
+
+Simplification (stated): prefill runs to completion inside `launch` before the decode dispatch
+rather than being mixed into decode batches chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import ModelConfig
+
+from . import model_step
+from .pages import PagePool
+from .sampling import SamplingBatch, SamplingParams
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str                    # "stop" | "length" | "abort"
+    instance: int
+    preemptions: int = 0
+    kv: tuple[np.ndarray, np.ndarray] | None = None  # K, V [layers, len(prompt)+len(tokens)-1, K, D]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    group: int | None = None              # shared-prefix group id (None: standalone)
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0                     # positions whose K/V are in the cache
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    def __len__(self):
+        return len(self.prompt) + len(self.out)
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    b = 1 << max(0, (n - 1).bit_length())
+    return b if cap is None else min(b, max(cap, n))
+
+
+class Instance:
+    def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
+                 max_batch: int = 64, prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True):
+        self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
+        self.pool = PagePool(num_pages, page_size)
+        self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
+        tp = mesh.shape["tp"]
+        kv_axis = "tp" if cfg.num_kv_heads % tp == 0 else None   # replicated when tp > kv heads
+        self.kv_sharding = NamedSharding(mesh, P(None, None, None, kv_axis, None))
+        self.replicated = NamedSharding(mesh, P())
+        dtype = kv_dtype or jax.tree.leaves(weights)[0].dtype
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_pages = jax.device_put(jnp.zeros(shape, dtype), self.kv_sharding)
+        self.v_pages = jax.device_put(jnp.zeros(shape, dtype), self.kv_sharding)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions, self.generated, self.busy_s = 0, 0, 0.0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seqs: list[Sequence]):
+        need = self.pool.pages_for(max(len(s) for s in seqs) + seqs[0].params.max_new_tokens)
+        if need > self.pool.capacity:
+            raise ValueError(f"request {seqs[0].rid}: prompt {len(seqs[0].prompt)} + max_new_tokens "
+                             f"{seqs[0].params.max_new_tokens} needs {need} pages; the pool has {self.pool.capacity}")
+        self.waiting.extend(seqs)
+
+    def abort(self, rid: int) -> Sequence | None:
+        for q in (self.waiting, self.running):
+            for s in q:
+                if s.rid == rid:
+                    q.remove(s)
+                    self.pool.free(s.pages)
+                    s.pages = []
+                    return s
+        return None
+
+    @property
+    def load(self) -> int:
+        return sum(len(s) for s in itertools.chain(self.waiting, self.running))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def _admit(self) -> list[list[Sequence]]:
+        admitted = []
+        while self.waiting:
+            head = self.waiting[0]
+            group = [s for s in self.waiting if head.group is not None and s.group == head.group
+                     and s.computed == 0 and not s.out] if self.prefix_sharing else []
+            group = group or [head]
+            if len(self.running) + sum(map(len, admitted)) + len(group) > self.max_batch:
+                break
+            per_seq = self.pool.pages_for(len(head))
+            shared = (len(head.prompt) - 1) // self.pool.page_size if len(group) > 1 else 0
+            if per_seq + (len(group) - 1) * (per_seq - shared) > self.pool.available:
+                break
+            for s in group:
+                self.waiting.remove(s)
+            head.pages = self.pool.alloc(per_seq)
+            for s in group[1:]:                # own pages now; the shared prefix is linked in _fork
+                s.pages = self.pool.alloc(per_seq - shared)
+            admitted.append(group)
+        return admitted
+
+    def _prefill(self, seqs: list[Sequence]):
+        C = self.prefill_chunk
+        while True:
+            todo = [s for s in seqs if s.computed < len(s) - 1]
+            if not todo:
+                return
+            rows = bucket(len(todo))
+            width = bucket(min(C, max(len(s) - 1 - s.computed for s in todo)))
+            mp = bucket(max(len(s.pages) for s in todo))
+            tokens = np.zeros((rows, width), np.int32)
+            start, n_valid = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+            table = np.zeros((rows, mp), np.int32)
+            for i, s in enumerate(todo):
+                n = min(width, len(s) - 1 - s.computed)
+                tokens[i, :n] = s.tokens[s.computed:s.computed + n]
+                start[i], n_valid[i] = s.computed, n
+                table[i, :len(s.pages)] = s.pages
+                s.computed += n
+            put = lambda x: jax.device_put(x, self.replicated)
+            self.k_pages, self.v_pages = model_step.prefill_step(
+                self.weights, self.cfg, self.k_pages, self.v_pages, put(tokens), put(start), put(n_valid), put(table))
+
+    def _fork(self, group: list[Sequence]):
+        """Siblings share the leader's full prompt pages and copy the page with the last prompt position."""
+        head = group[0]
+        last = (len(head.prompt) - 1) // self.pool.page_size
+        for s in group[1:]:
+            own = s.pages
+            s.pages = self.pool.share(head.pages[:last]) + own
+            self.k_pages, self.v_pages = model_step.copy_page(self.k_pages, self.v_pages, head.pages[last], own[0])
+            s.computed = head.computed
+
+    def _preempt(self) -> Sequence:
+        victim = self.running.pop()            # most recently admitted
+        self.pool.free(victim.pages)
+        victim.pages, victim.computed, victim.group = [], 0, None
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _ensure_pages(self):
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            while self.pool.pages_for(len(s)) > len(s.pages):
+                if self.pool.available == 0:
+                    if self._preempt() is s:
+                        break
+                    continue
+                s.pages += self.pool.alloc(1)
+            else:
+                i += 1
+
+    def launch(self):
+        """Admit, prefill, dispatch one decode step. Returns a handle for `collect` (None if idle)."""
+        t0 = time.perf_counter()
+        for group in self._admit():
+            self._prefill(group[:1])
+            if len(group) > 1:
+                self._fork(group)
+            self.running.extend(group)
+        self._ensure_pages()
+        if not self.running:
+            return None
+        batch = list(self.running)
+        rows, mp = bucket(len(batch)), bucket(max(len(s.pages) for s in batch))
+        tokens, pos = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        table = np.zeros((rows, mp), np.int32)
+        for i, s in enumerate(batch):
+            tokens[i], pos[i] = s.tokens[-1], len(s) - 1
+            table[i, :len(s.pages)] = s.pages
+        sb = SamplingBatch.build([(s.params, s.seed, len(s.out)) for s in batch], rows)
+        put = lambda x: jax.device_put(x, self.replicated)
+        tok, logp, self.k_pages, self.v_pages = model_step.decode_step(
+            self.weights, self.cfg, self.k_pages, self.v_pages, put(tokens), put(pos), put(table),
+            jax.tree.map(put, sb))
+        self.busy_s += time.perf_counter() - t0
+        return batch, tok, logp, t0
+
+    def collect(self, handle) -> list[Completion]:
+        if handle is None:
+            return []
+        batch, tok, logp, t0 = handle
+        t1 = time.perf_counter()
+        tok, logp = np.asarray(tok), np.asarray(logp)
+        self.busy_s += time.perf_counter() - t1
+        done = []
+        for i, s in enumerate(batch):
+            s.computed = len(s)           # the fed token's K/V is now cached
+            s.out.append(int(tok[i]))
+            s.logprobs.append(float(logp[i]))
+            self.generated += 1
+            if s.out[-1] in s.params.stop_token_ids:
+                done.append(self._retire(s, "stop"))
+            elif len(s.out) >= s.params.max_new_tokens:
+                done.append(self._retire(s, "length"))
+        return done
+
+    def _retire(self, s: Sequence, reason: str) -> Completion:
+        self.running.remove(s)
+        kv = None
+        if s.params.return_kv:
+            n = len(s) - 1
+            k, v = model_step.export_kv(self.k_pages, self.v_pages, jnp.asarray(s.pages, jnp.int32), n)
+            kv = (np.asarray(k)[:, :n], np.asarray(v)[:, :n])
+        self.pool.free(s.pages)
+        s.pages = []
+        return Completion(s.rid, s.prompt, s.out, s.logprobs, reason, self.index, s.preemptions, kv)
+
+    def stats(self) -> dict:
+        return {"instance": self.index, "tp": self.mesh.shape["tp"], "active_batch": len(self.running),
+                "waiting": len(self.waiting), "context_tokens": sum(len(s) for s in self.running),
+                "pages_used": self.pool.used, "pages_total": self.pool.capacity, "preemptions": self.preemptions,
+                "generated_tokens": self.generated,
+                "tokens_per_s": self.generated / self.busy_s if self.busy_s else 0.0}

@@ -1,0 +1,124 @@
+"""Prefill and decode steps over a paged KV cache, built from the shared layer functions.
+
+Cache layout (one instance): `k_pages`, `v_pages` [layers, num_pages, page_size, kv_heads, head_dim].
+Page 0 is a scratch page: padding rows of a batch bucket write there and read nothing, so buckets
+need no special-casing inside the compiled step.
+
+Both steps sample on the device (`sampling.sample`) and return only the sampled tokens and their
+log-probs, so no [batch, vocab] logits cross to the host. They are jitted with the cache donated;
+jax's executable cache keys them by (shapes, shardings) = (instance layout, batch bucket, chunk).
+Attention: prefill chunks use `kernels.attention` with `q_offset` over the gathered pages; decode
+gathers each sequence's pages and attends with `kv_lengths` (the XLA path; the Pallas paged decode
+kernel plugs in here on GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels import attention
+from models import ModelConfig, Weights, lm_head
+from models import layers as L
+from models.forward import inv_freq
+
+from .sampling import sample
+
+
+def _gather_pages(pages, layer, page_table):
+    """[B, max_pages] page ids -> contiguous keys [B, max_pages * page_size, K, D] of one layer."""
+    g = pages[layer][page_table]  # [B, MP, ps, K, D]
+    B, MP, ps, K, D = g.shape
+    return g.reshape(B, MP * ps, K, D)
+
+
+def _decoder(weights: Weights, cfg: ModelConfig, tokens, positions, k_pages, v_pages, attend):
+    """Embed `tokens` [B, T], run every layer with `attend(l, q, k, v, k_pages, v_pages)` doing the
+    cache write + attention, return (final-normed hidden [B, T, E], k_pages, v_pages)."""
+    freqs = inv_freq(cfg)
+    x = weights.embed[tokens]
+
+    def body(carry, xs):
+        x, k_pages, v_pages = carry
+        layer, l = xs
+        h = L.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        q, k, v = L.project_qkv(h, wq=layer.wq, wk=layer.wk, wv=layer.wv, bq=layer.bq, bk=layer.bk, bv=layer.bv,
+                                q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps,
+                                positions=positions, inv_freq=freqs)
+        o, k_pages, v_pages = attend(l, q, k, v, k_pages, v_pages)
+        x = x + L.attn_output(o, layer.wo)
+        h = L.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        return (x + L.swiglu_mlp(h, layer.w_gate, layer.w_up, layer.w_down), k_pages, v_pages), None
+
+    (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, k_pages, v_pages),
+                                            (weights.layers, jnp.arange(cfg.num_layers)))
+    return L.rms_norm(x, weights.final_norm, cfg.rms_norm_eps), k_pages, v_pages
+
+
+def _logits(weights, h):
+    return jnp.einsum("be,ev->bv", h, lm_head(weights), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pages", "v_pages"))
+def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_valid, page_table):
+    """Process one chunk of C prompt tokens for each of B sequences.
+
+    tokens [B, C] (row b holds positions start[b] .. start[b]+C-1, the first n_valid[b] real);
+    page_table [B, MP]. Writes the chunk's K/V into the pages, attends causally over everything
+    before it (`q_offset=start`), and samples from the last real token's logits (used only when the
+    chunk ends the prompt). Returns (tokens [B], logprobs [B], k_pages, v_pages).
+    """
+    B, C = tokens.shape
+    ps = k_pages.shape[2]
+    pos = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]            # [B, C]
+    real = jnp.arange(C)[None, :] < n_valid[:, None]
+    page = jnp.where(real, jnp.take_along_axis(page_table, pos // ps, axis=1, mode="clip"), 0)
+    slot = jnp.where(real, pos % ps, 0)
+    kv_len = start + n_valid
+
+    def attend(l, q, k, v, k_pages, v_pages):
+        k_pages = k_pages.at[l, page, slot].set(k.astype(k_pages.dtype))
+        v_pages = v_pages.at[l, page, slot].set(v.astype(v_pages.dtype))
+        kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
+        return attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True), k_pages, v_pages
+
+    _, k_pages, v_pages = _decoder(weights, cfg, tokens, pos, k_pages, v_pages, attend)
+    return k_pages, v_pages
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pages", "v_pages"))
+def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, page_table, sampling):
+    """One token for each of B sequences: tokens [B] at positions [B]; page_table [B, MP].
+
+    Padding rows point their page table at the scratch page 0. Returns (tokens [B], logprobs [B],
+    k_pages, v_pages).
+    """
+    ps = k_pages.shape[2]
+    page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
+    slot = positions % ps
+
+    def attend(l, q, k, v, k_pages, v_pages):
+        k_pages = k_pages.at[l, page, slot].set(k[:, 0].astype(k_pages.dtype))
+        v_pages = v_pages.at[l, page, slot].set(v[:, 0].astype(v_pages.dtype))
+        kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
+        return attention(q, kk, vv, kv_lengths=positions + 1, causal=False), k_pages, v_pages
+
+    h, k_pages, v_pages = _decoder(weights, cfg, tokens[:, None], positions[:, None], k_pages, v_pages, attend)
+    tok, logp = sample(_logits(weights, h[:, 0]), sampling)
+    return tok, logp, k_pages, v_pages
+
+
+@functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages"))
+def copy_page(k_pages, v_pages, src, dst):
+    """Copy page `src` to `dst` in every layer (copy-on-write of a shared partial prompt page)."""
+    return k_pages.at[:, dst].set(k_pages[:, src]), v_pages.at[:, dst].set(v_pages[:, src])
+
+
+@jax.jit
+def export_kv(k_pages, v_pages, page_ids, length):
+    """Contiguous per-layer K, V [layers, len(page_ids) * page_size, K, D] of one sequence (caller trims)."""
+    del length
+    Lr, _, ps, K, D = k_pages.shape
+    return (k_pages[:, page_ids].reshape(Lr, -1, K, D), v_pages[:, page_ids].reshape(Lr, -1, K, D))
