@@ -111,8 +111,9 @@ class CharTokenizer:
         return [self._stoi.get(c, unk) for c in text]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        n = len(self.SPECIAL)
-        return "".join(self._itos[i] for i in ids if not (skip_special_tokens and i < n))
+        n, V = len(self.SPECIAL), len(self._itos)
+        # ids past the vocabulary (models pad their embedding tables) decode to U+FFFD, as byte-level BPE does
+        return "".join(self._itos[i] if i < V else "\ufffd" for i in ids if not (skip_special_tokens and i < n))
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)

@@ -55,3 +55,4 @@ def test_char_tokenizer_round_trip():
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode([1, *tok.encode("ok"), 2]) == "ok"
     assert max(tok.encode(text)) < tok.vocab_size
+    assert tok.decode([tok.vocab_size + 5]) == "\ufffd"

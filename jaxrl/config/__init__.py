@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .base import ConfigError, Section, check_choice, check_float, check_int, check_str, decode
 from .demo import DemoConfig
+from .generate import EngineSection, GenerateConfig, SamplingSection
 from .loading import from_yaml, from_yaml_file, load_config, parse_cli, to_yaml
 from .sections import DTYPES, LayoutSection, MeshSection, ModelSection
 
@@ -21,11 +22,12 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 # Every YAML file in configs/ and the config class it is the serialised form of (tests check both ways).
 CONFIG_CLASSES: dict[str, type[Section]] = {
     "demo.yaml": DemoConfig,
+    "generate.yaml": GenerateConfig,
 }
 
 __all__ = [
     "CONFIGS_DIR", "CONFIG_CLASSES", "DTYPES",
     "ConfigError", "Section", "check_choice", "check_float", "check_int", "check_str", "decode",
-    "DemoConfig", "LayoutSection", "MeshSection", "ModelSection",
+    "DemoConfig", "EngineSection", "GenerateConfig", "SamplingSection", "LayoutSection", "MeshSection", "ModelSection",
     "from_yaml", "from_yaml_file", "load_config", "parse_cli", "to_yaml",
 ]
