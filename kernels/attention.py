@@ -1,13 +1,21 @@
 """Attention with GQA, query offsets, ragged key lengths, causal/sliding-window and segment masks.
 
-`attention(q, k, v, *, q_offset, kv_lengths, causal, window, q_segment_ids, kv_segment_ids)` is the
-single entry point the model calls. Queries sit at positions `q_offset + [0, T)` inside the key
-sequence of length S, so offset 0 with T == S is training attention and a positive offset is chunked
-or prefix-shared prefill (and, later, MetroRLHF's block over cached history).
+`attention(q, k, v, *, q_offset, kv_lengths, causal, window, q_segment_ids, kv_segment_ids, scale,
+implementation, interpret, block_sizes)` is the single entry point the model calls. Queries sit at
+positions `q_offset + [0, T)` inside the key sequence of length S, so offset 0 with T == S is training
+attention and a positive offset is chunked or prefix-shared prefill (and MetroRLHF's block over cached
+history, whose gradient must reach the cached keys and values).
 
-This module currently holds only the pure-jnp `attention_reference` and dispatches to it. The Pallas
-kernel (with `interpret=True` on the CPU and a custom VJP returning dk, dv for all keys) arrives with
-the rollout-engine work; its tests will compare against this reference.
+Two implementations:
+  "xla"    `attention_reference`, plain jnp with float32 scores. The default, and the CPU runtime path.
+  "pallas" A flash-attention kernel (FlashAttention-2 online softmax over key blocks, one program per
+           (query block, batch, query head)). Backward: two Pallas kernels, in `kernels/attention_bwd.py`,
+           recomputing probabilities from the saved per-query logsumexp (never the [T, S] matrix); dK/dV
+           come for every key, history before `q_offset` included.
+The kernels are written for the Pallas Triton (GPU) lowering: `pl.program_id`, ref slicing with `pl.ds`,
+blocks kept in bounds by padding, `lax.div` for index arithmetic. In this repository's CI they only run
+with `interpret=True` on the CPU; `tests/test_attention_kernel.py` also lowers them to Triton IR for
+CUDA (`jax.export`), which checks the Pallas->Triton lowering but not Triton's own compile, nor speed.
 
 Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (GQA: query head h reads kv head h // (H/K)).
 Masking rules (all combined with AND):
@@ -15,15 +23,87 @@ Masking rules (all combined with AND):
   window=W:      q_offset + t - s < W  (the W most recent keys, the query's own included; HF semantics)
   kv_lengths:    s < kv_lengths[b]
   segment ids:   q_segment_ids[b, t] == kv_segment_ids[b, s]  (packed sequences)
-A query row with no visible key returns zeros (not NaN).
+A query row with no visible key returns zeros (not NaN) and passes no gradient.
+
+Simplified / left for later (said here, not pretended done): the block sizes are untuned defaults;
+each query head of a GQA group streams its kv head's blocks separately (L2 serves the repeats; folding
+the group into the query block would read K/V once); only the causal/window/kv_lengths bounds skip key
+blocks, so blocks excluded by segment ids alone are computed and masked; T, S and D are padded with
+`jnp.pad` in the wrapper (a copy when they are not block multiples) rather than handled with masked
+loads; float32 dots take Pallas-Triton's default precision on GPU (TF32), full precision when
+interpreted.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two, >= 16 for Triton's dot) for the forward and the two backward kernels.
+
+    A tile longer than the (power-of-two rounded) sequence is shrunk to it, so short decode-like calls
+    do not pad T up to a full block.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 64
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            b = getattr(self, f.name)
+            if not isinstance(b, int) or b < 16 or b & (b - 1):
+                raise ValueError(f"BlockSizes.{f.name}={b!r}: want a power of two >= 16 ({self})")
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticArgs:
+    """Everything the kernels need at trace time (hashable: a custom_vjp nondiff argument)."""
+
+    causal: bool
+    window: int | None
+    scale: float
+    interpret: bool
+    T: int
+    S: int
+    D: int
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    block_q_dq: int
+    block_k_dq: int
+
+    @property
+    def T_pad(self) -> int:
+        return _round_up(self.T, max(self.block_q, self.block_q_dkv, self.block_q_dq))
+
+    @property
+    def S_pad(self) -> int:
+        return _round_up(self.S, max(self.block_k, self.block_k_dkv, self.block_k_dq))
+
+    @property
+    def D_pad(self) -> int:
+        return max(16, pl.next_power_of_2(self.D))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def _check_shapes(q, k, v):
@@ -71,8 +151,198 @@ def attention_reference(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, wi
     return o.reshape(B, T, H, D).astype(q.dtype)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Pieces shared by the forward and backward kernels.
+
+
+def block_mask(q_pos, k_pos, kv_len, q_seg, kv_seg, st: StaticArgs):
+    """[bq, bk] visibility of keys at `k_pos` [bk] for queries at `q_pos` [bq] (module-doc rules)."""
+    mask = jnp.broadcast_to(k_pos[None, :] < kv_len, (q_pos.shape[0], k_pos.shape[0]))
+    if st.causal:
+        mask &= k_pos[None, :] <= q_pos[:, None]
+    if st.window is not None:
+        mask &= q_pos[:, None] - k_pos[None, :] < st.window
+    if q_seg is not None:
+        mask &= q_seg[:, None] == kv_seg[None, :]
+    return mask
+
+
+def key_block_range(q_first, q_last, kv_len, block_k: int, st: StaticArgs):
+    """[lo, hi) key blocks that queries at positions q_first..q_last can see (non-negative bounds)."""
+    end = jnp.minimum(kv_len, q_last + 1) if st.causal else kv_len
+    hi = lax.div(jnp.maximum(end, 0) + (block_k - 1), block_k)
+    lo = jnp.int32(0)
+    if st.window is not None:
+        lo = lax.div(jnp.maximum(q_first - st.window + 1, 0), block_k)
+    return lo, jnp.maximum(lo, hi)
+
+
+def dot(a, b, *, trans_a=False, trans_b=False):
+    """a @ b with float32 accumulation; transposes are folded into the contraction."""
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward kernel: grid (query blocks, B, H); K/V of the head's kv group stay in HBM and are streamed.
+
+
+def _fwd_kernel(offset_ref, kv_len_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
+                st: StaticArgs):
+    bq, bk = st.block_q, st.block_k
+    iq, b = pl.program_id(0), pl.program_id(1)
+    offset, kv_len = offset_ref[b], kv_len_ref[b]
+    q = q_ref[...]                                               # [bq, Dp]
+    q_first = offset + iq * bq
+    q_pos = q_first + jnp.arange(bq, dtype=jnp.int32)
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def body(j, carry):
+        o, m, l = carry
+        ks = pl.ds(j * bk, bk)
+        kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
+        mask = block_mask(q_pos, j * bk + jnp.arange(bk, dtype=jnp.int32), kv_len, q_seg, kv_seg, st)
+        s = jnp.where(mask, dot(q, k_ref[ks, :], trans_b=True) * st.scale, _MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)   # masked -> exactly 0, even in empty rows
+        corr = jnp.exp(m - m_new)
+        v = v_ref[ks, :]
+        return corr[:, None] * o + dot(p.astype(v.dtype), v), m_new, corr * l + jnp.sum(p, axis=1)
+
+    lo, hi = key_block_range(q_first, q_first + bq - 1, kv_len, bk, st)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    o, m, l = lax.fori_loop(lo, hi, body, init)
+    seen = l > 0.0
+    o_ref[...] = (o * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def pad_axis(x, axis: int, n: int):
+    if x.shape[axis] == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def pad_inputs(q, k, v, q_seg, kv_seg, st: StaticArgs):
+    """Pad T, S, D up to block multiples (zeros; padded keys are masked through kv_len <= S)."""
+    q = pad_axis(pad_axis(q, 1, st.T_pad), 3, st.D_pad)
+    k = pad_axis(pad_axis(k, 1, st.S_pad), 3, st.D_pad)
+    v = pad_axis(pad_axis(v, 1, st.S_pad), 3, st.D_pad)
+    if q_seg is not None:
+        q_seg, kv_seg = pad_axis(q_seg, 1, st.T_pad), pad_axis(kv_seg, 1, st.S_pad)
+    return q, k, v, q_seg, kv_seg
+
+
+def _forward(q, k, v, offset, kv_len, q_seg, kv_seg, st: StaticArgs):
+    """Returns o [B, T, H, D] and lse [B, H, T_pad] (float32, natural log; -inf for rows with no key)."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    q, k, v, q_seg, kv_seg = pad_inputs(q, k, v, q_seg, kv_seg, st)
+    Tp, Sp, Dp, bq = st.T_pad, st.S_pad, st.D_pad, st.block_q
+    whole = pl.BlockSpec((B,), lambda i, b, h: (0,))
+    kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, lax.div(h, G), 0))
+    seg_specs = [None, None] if q_seg is None else [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                                                    pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0))]
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st),
+        grid=(Tp // bq, B, H),
+        in_specs=[whole, whole, pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),
+                  kv_spec, kv_spec, *seg_specs],
+        out_specs=[pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dp), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
+        compiler_params=compiler_params(num_warps=4 if Dp <= 64 else 8),
+        interpret=st.interpret,
+        name="flash_attention_fwd",
+    )(offset, kv_len, q, k, v, q_seg, kv_seg)
+    return o[:, :T, :, :D], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, offset, kv_len, q_seg, kv_seg, st):
+    return _forward(q, k, v, offset, kv_len, q_seg, kv_seg, st)[0]
+
+
+def _flash_fwd(q, k, v, offset, kv_len, q_seg, kv_seg, st):
+    o, lse = _forward(q, k, v, offset, kv_len, q_seg, kv_seg, st)
+    return o, (q, k, v, offset, kv_len, q_seg, kv_seg, o, lse)
+
+
+def _flash_bwd(st, res, do):
+    from kernels.attention_bwd import backward  # attention_bwd imports this module's helpers
+
+    dq, dk, dv = backward(res, do, st)
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry point.
+
+
+def _check_args(q, k, q_offset, kv_lengths, window, q_segment_ids, kv_segment_ids, implementation, block_sizes):
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation={implementation!r}; valid: {IMPLEMENTATIONS}")
+    if jnp.ndim(q_offset) not in (0, 1) or (jnp.ndim(q_offset) == 1 and jnp.shape(q_offset) != (B,)):
+        raise ValueError(f"q_offset must be an int or shape ({B},); got shape {jnp.shape(q_offset)} for q{q.shape}")
+    if kv_lengths is not None and jnp.shape(kv_lengths) != (B,):
+        raise ValueError(f"kv_lengths must have shape ({B},); got {jnp.shape(kv_lengths)} for k{k.shape}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None; got {window!r}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None and (q_segment_ids.shape != (B, T) or kv_segment_ids.shape != (B, S)):
+        raise ValueError(f"segment ids want q ({B}, {T}) and kv ({B}, {S}); got {q_segment_ids.shape} and "
+                         f"{kv_segment_ids.shape} for q{q.shape} k{k.shape}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes; got {type(block_sizes).__name__}")
+
+
 def attention(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, window=None,
-              q_segment_ids=None, kv_segment_ids=None, scale: float | None = None) -> jax.Array:
-    """Attention entry point used by the model (currently the XLA reference path; see module doc)."""
-    return attention_reference(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, causal=causal, window=window,
-                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
+              q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
+              implementation: str = "xla", interpret: bool | None = None,
+              block_sizes: BlockSizes | None = None) -> jax.Array:
+    """Attention of q [B, T, H, D] over k, v [B, S, K, D]; returns [B, T, H, D] in q's dtype.
+
+    q_offset: int or int [B], position of query 0 inside the keys. kv_lengths: int [B] or None.
+    implementation: "xla" (reference, default) or "pallas" (flash kernel with a custom VJP; dK/dV cover
+    all keys). interpret: run the Pallas kernel in interpret mode; None means "when the default backend
+    is the CPU". block_sizes: Pallas tile sizes (default `BlockSizes()`).
+    """
+    _check_shapes(q, k, v)
+    _check_args(q, k, q_offset, kv_lengths, window, q_segment_ids, kv_segment_ids, implementation, block_sizes)
+    kwargs = dict(q_offset=q_offset, kv_lengths=kv_lengths, causal=causal, window=window,
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
+    if implementation == "xla":
+        return attention_reference(q, k, v, **kwargs)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"pallas attention wants one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    if not interpret and jax.default_backend() != "gpu":
+        raise ValueError(f"pallas attention is a GPU (Triton) kernel; backend is {jax.default_backend()!r}: "
+                         "pass interpret=True or implementation='xla'")
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    bs = block_sizes or BlockSizes()
+    fit_q = lambda b: min(b, max(16, pl.next_power_of_2(T)))  # noqa: E731
+    fit_k = lambda b: min(b, max(16, pl.next_power_of_2(S)))  # noqa: E731
+    st = StaticArgs(causal=bool(causal), window=window, scale=float(D ** -0.5 if scale is None else scale),
+                    interpret=bool(interpret), T=T, S=S, D=D,
+                    block_q=fit_q(bs.block_q), block_k=fit_k(bs.block_k), block_q_dkv=fit_q(bs.block_q_dkv),
+                    block_k_dkv=fit_k(bs.block_k_dkv), block_q_dq=fit_q(bs.block_q_dq),
+                    block_k_dq=fit_k(bs.block_k_dq))
+    offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
+    kv_len = jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), S)
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    return _flash(q, k, v, offset, kv_len, q_segment_ids, kv_segment_ids, st)

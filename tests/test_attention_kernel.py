@@ -1,0 +1,163 @@
+"""Pallas flash attention (interpret mode on the CPU) against `attention_reference`: forward and jax.grad.
+
+Every case runs the kernel with 16-wide tiles, so T and S (never multiples of 16 here) span several
+padded blocks. The GPU lowering is checked by exporting the same functions for CUDA (Pallas -> Triton IR).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.attention import BlockSizes, attention, attention_reference
+
+# Tolerances, set once per dtype. Gradients are checked in float32 only.
+ATOL = {jnp.float32: {"fwd": 2e-5, "grad": 1e-4}, jnp.bfloat16: {"fwd": 3e-2}}
+BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    T: int
+    S: int
+    H: int
+    K: int
+    D: int = 16
+    B: int = 2
+    q_offset: int | tuple[int, ...] = 0
+    kv_lengths: tuple[int, ...] | None = None
+    causal: bool = True
+    window: int | None = None
+    segments: bool = False
+    blocks: BlockSizes | None = BLOCKS
+
+
+CASES = {
+    "train_mha": Case(T=37, S=37, H=2, K=2),
+    "train_gqa2_packed": Case(T=40, S=40, H=4, K=2, D=32, segments=True),
+    "prefill_chunk_gqa4": Case(T=19, S=40, H=4, K=1, q_offset=21),
+    "prefill_ragged_offsets": Case(T=13, S=35, H=4, K=2, D=32, q_offset=(22, 7), kv_lengths=(35, 20)),
+    "prefill_packed_history": Case(T=17, S=39, H=2, K=1, q_offset=(22, 9), segments=True),
+    "window": Case(T=40, S=40, H=4, K=2, window=7),
+    "window_offset_ragged": Case(T=11, S=38, H=4, K=4, q_offset=(27, 3), kv_lengths=(38, 14), window=12),
+    "noncausal_ragged": Case(T=23, S=33, H=2, K=1, causal=False, kv_lengths=(33, 9)),
+    "noncausal_packed_window": Case(T=30, S=30, H=4, K=2, causal=False, segments=True, window=11),
+    "empty_rows": Case(T=9, S=21, H=2, K=1, q_offset=(12, 0), kv_lengths=(21, 0)),
+    "default_blocks": Case(T=5, S=40, H=4, K=2, q_offset=35, blocks=None),
+}
+
+
+def make_inputs(c: Case, dtype, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (c.B, c.T, c.H, c.D), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (c.B, c.S, c.K, c.D), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (c.B, c.S, c.K, c.D), jnp.float32).astype(dtype)
+    cot = jax.random.normal(keys[3], (c.B, c.T, c.H, c.D), jnp.float32).astype(dtype)
+    offset = c.q_offset if isinstance(c.q_offset, int) else jnp.asarray(c.q_offset, jnp.int32)
+    kw = dict(q_offset=offset, causal=c.causal, window=c.window,
+              kv_lengths=None if c.kv_lengths is None else jnp.asarray(c.kv_lengths, jnp.int32))
+    if c.segments:  # packed documents: sorted ids with random boundaries; queries take their keys' ids
+        rng = np.random.default_rng(seed)
+        kv_seg = np.sort(rng.integers(0, 4, (c.B, c.S)), axis=1).astype(np.int32)
+        offs = np.broadcast_to(np.asarray(c.q_offset), (c.B,))
+        q_seg = np.stack([kv_seg[b, offs[b]:offs[b] + c.T] if offs[b] + c.T <= c.S else
+                          rng.integers(0, 4, c.T) for b in range(c.B)]).astype(np.int32)
+        kw.update(q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg))
+    return (q, k, v), cot, kw
+
+
+def run(c: Case, implementation: str, args, cot, kw):
+    """Output and the gradient of sum(out * cot) w.r.t. q, k, v (one jitted forward + VJP)."""
+    extra = dict(implementation="pallas", interpret=True, block_sizes=c.blocks) if implementation == "pallas" else {}
+
+    def fwd(q, k, v):
+        if implementation == "reference":
+            return attention_reference(q, k, v, **kw)
+        return attention(q, k, v, **kw, **extra)
+
+    def out_and_grads(q, k, v):  # jax.grad of sum(out * cot), sharing one forward with the output
+        out, vjp = jax.vjp(fwd, q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(out_and_grads)(*args)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_grads_match_reference_f32(name):
+    c = CASES[name]
+    args, cot, kw = make_inputs(c, jnp.float32)
+    out, grads = run(c, "pallas", args, cot, kw)
+    ref_out, ref_grads = run(c, "reference", args, cot, kw)
+    tol = ATOL[jnp.float32]
+    np.testing.assert_allclose(out, ref_out, atol=tol["fwd"], rtol=0, err_msg=f"{name}: forward")
+    for what, g, rg in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(g, rg, atol=tol["grad"], rtol=0, err_msg=f"{name}: d{what}")
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+    if name == "prefill_chunk_gqa4":  # the history keys (before q_offset) receive gradient
+        assert np.abs(grads[1][:, : c.q_offset]).max() > 1e-2 and np.abs(grads[2][:, : c.q_offset]).max() > 1e-2
+    if name == "empty_rows":  # batch 1 has no visible key at all: zeros out, zero gradient
+        assert np.all(out[1] == 0) and np.all(grads[0][1] == 0) and np.all(grads[1][1] == 0)
+
+
+@pytest.mark.parametrize("name", ["prefill_ragged_offsets", "train_gqa2_packed"])
+def test_forward_matches_reference_bf16(name):
+    c = CASES[name]
+    args, cot, kw = make_inputs(c, jnp.bfloat16)
+    pallas = lambda *a: attention(*a, **kw, implementation="pallas", interpret=True, block_sizes=c.blocks)  # noqa: E731
+    out = jax.jit(pallas)(*args)
+    ref = attention_reference(*args, **kw)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=ATOL[jnp.bfloat16]["fwd"], rtol=0)
+
+
+def test_default_implementation_is_xla_reference():
+    c = CASES["prefill_ragged_offsets"]
+    args, _, kw = make_inputs(c, jnp.float32)
+    np.testing.assert_array_equal(attention(*args, **kw), attention_reference(*args, **kw))
+
+
+@pytest.mark.parametrize("dtype,window,segments,causal",
+                         [(jnp.bfloat16, 64, True, True), (jnp.float32, None, False, False)])
+def test_pallas_lowers_to_triton_for_cuda(monkeypatch, dtype, window, segments, causal):
+    """Forward and both backward kernels lower through Pallas' Triton path (GQA 5, D=80 padded, T,S ragged)."""
+    B, T, S, H, K, D = 2, 100, 300, 10, 2, 80
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the CUDA lowering is cross-platform
+
+    def f(q, k, v, offset, kv_len, q_seg, kv_seg):
+        seg = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg) if segments else {}
+        def fn(q, k, v):
+            return attention(q, k, v, q_offset=offset, kv_lengths=kv_len, window=window, causal=causal,
+                             implementation="pallas", interpret=False, **seg)
+
+        o, vjp = jax.vjp(fn, q, k, v)
+        return o, vjp(o)
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, T, H, D), dtype), sds((B, S, K, D), dtype), sds((B, S, K, D), dtype), sds((B,), jnp.int32),
+            sds((B,), jnp.int32), sds((B, T), jnp.int32), sds((B, S), jnp.int32))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dq, dk/dv
+
+
+def test_bad_arguments_fail_loudly_with_shapes():
+    q, k = jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 12, 3, 16))
+    with pytest.raises(ValueError, match=r"q\(2, 8, 4, 16\) k\(2, 12, 3, 16\)"):
+        attention(q, k, k, implementation="pallas")
+    k = jnp.zeros((2, 12, 2, 16))
+    with pytest.raises(ValueError, match="valid: \\('xla', 'pallas'\\)"):
+        attention(q, k, k, implementation="triton")
+    with pytest.raises(ValueError, match=r"kv_lengths must have shape \(2,\); got \(3,\)"):
+        attention(q, k, k, kv_lengths=jnp.zeros(3, jnp.int32), implementation="pallas")
+    with pytest.raises(ValueError, match=r"segment ids want q \(2, 8\) and kv \(2, 12\)"):
+        attention(q, k, k, q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32))
+    with pytest.raises(ValueError, match="power of two"):
+        BlockSizes(block_q=24)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="interpret=True"):
+            attention(q, k, k, implementation="pallas", interpret=False)
