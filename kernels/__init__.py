@@ -6,7 +6,9 @@ vocabulary projection.
 """
 
 from .attention import BlockSizes, attention, attention_reference
+from .logprobs import token_logprobs, token_logprobs_reference
 from .paged_attention import merge_partials, normalize, paged_decode_attention, paged_decode_attention_reference
 
 __all__ = ["BlockSizes", "attention", "attention_reference", "merge_partials", "normalize",
-           "paged_decode_attention", "paged_decode_attention_reference"]
+           "paged_decode_attention", "paged_decode_attention_reference", "token_logprobs",
+           "token_logprobs_reference"]

@@ -107,6 +107,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3": ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0,
                               max_position_embeddings=2048, qk_norm=True, tie_embeddings=True),
+    # The quickstart's policy: Qwen3-shaped, vocabulary sized for the built-in character tokenizer.
+    "tiny-char": ModelConfig(architecture="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
+                             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0,
+                             max_position_embeddings=512, qk_norm=True, tie_embeddings=True),
     "tiny-llama": ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=160,
                               num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, rope_theta=500_000.0,
                               rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

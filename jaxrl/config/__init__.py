@@ -13,6 +13,7 @@ from pathlib import Path
 from .base import ConfigError, Section, check_choice, check_float, check_int, check_str, decode
 from .demo import DemoConfig
 from .generate import EngineSection, GenerateConfig, SamplingSection
+from .train import TrainConfig
 from .loading import from_yaml, from_yaml_file, load_config, parse_cli, to_yaml
 from .sections import DTYPES, LayoutSection, MeshSection, ModelSection
 
@@ -23,11 +24,12 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIG_CLASSES: dict[str, type[Section]] = {
     "demo.yaml": DemoConfig,
     "generate.yaml": GenerateConfig,
+    "quickstart.yaml": TrainConfig,
 }
 
 __all__ = [
     "CONFIGS_DIR", "CONFIG_CLASSES", "DTYPES",
     "ConfigError", "Section", "check_choice", "check_float", "check_int", "check_str", "decode",
-    "DemoConfig", "EngineSection", "GenerateConfig", "SamplingSection", "LayoutSection", "MeshSection", "ModelSection",
+    "DemoConfig", "EngineSection", "GenerateConfig", "TrainConfig", "SamplingSection", "LayoutSection", "MeshSection", "ModelSection",
     "from_yaml", "from_yaml_file", "load_config", "parse_cli", "to_yaml",
 ]

@@ -132,6 +132,12 @@ class MetricsLogger:
                 self._tb.add_scalar(name, value, step=step, wall_time=now)
             self._tb.flush()
 
+    def log_tb(self, tag: str, value: float, step: int) -> None:
+        """A TensorBoard-only scalar (e.g. warm-start losses, which are not RL steps in metrics.jsonl)."""
+        if self.is_main and self._tb is not None:
+            self._tb.add_scalar(tag, float(value), step=int(step))
+            self._tb.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -1,0 +1,159 @@
+"""Config of `python -m jaxrl.train` (default recipe: configs/quickstart.yaml)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
+from .generate import EngineSection, SamplingSection
+from .sections import LayoutSection, ModelSection
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(Section):
+    """`source`: "builtin" (the built-in task suite) or a local .jsonl / .parquet path with prompt/answer columns."""
+
+    source: str = "builtin"
+    tasks: tuple[str, ...] = ()          # builtin: which tasks (empty = all)
+    num_examples: int = 20000            # builtin: suite size
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    tokenizer: str = "char"              # "char", or a dir with tokenizer.json ("model" = model.hf_path)
+    chat: bool = True
+    max_prompt_len: int = 64             # longer prompts are skipped and counted
+    shuffle: bool = True
+
+    def __post_init__(self):
+        check_str("source", self.source)
+        check_int("num_examples", self.num_examples, minimum=1)
+        check_int("max_prompt_len", self.max_prompt_len, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSection(Section):
+    """RL objective. GRPO defaults; DAPO = clip_high 0.28 + agg token-mean; Dr. GRPO = dr_grpo + seq-mean-token-sum-norm."""
+
+    advantage: str = "grpo"
+    group_size: int = 8                  # samples per prompt
+    prompts_per_step: int = 16           # global, over all processes
+    mini_batches: int = 1                # optimizer updates per rollout batch (>1 makes it off-policy)
+    micro_batches: int = 1               # gradient accumulation inside one update
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0               # 0 = off; else c > 1
+    agg: str = "token-mean"
+    kl_coef: float = 0.0                 # KL to the reference policy (0 = no reference forward)
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False           # penalty in the reward (reinforce_pp) instead of the loss
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+
+    def __post_init__(self):
+        check_choice("advantage", self.advantage, ADVANTAGES)
+        check_choice("agg", self.agg, AGGREGATIONS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        for name in ("group_size", "prompts_per_step", "mini_batches", "micro_batches"):
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "gamma"):
+            check_float(name, getattr(self, name))
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError("dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}")
+        if self.group_size < 2 and self.advantage in ("grpo", "dr_grpo", "rloo"):
+            raise ConfigError("group_size", f"{self.advantage} needs group_size >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection(Section):
+    """AdamW with linear warm-up then `schedule` decay to lr * min_lr_ratio, global-norm clipping."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float = 1.0               # 0 = no clipping
+
+    def __post_init__(self):
+        check_float("lr", self.lr, above=0.0)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        for name in ("min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+            check_float(name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSection(Section):
+    """Supervised warm start on the built-in tasks' demonstrations (steps 0 = skip)."""
+
+    steps: int = 0
+    batch_size: int = 32
+    optim: OptimSection = dataclasses.field(default_factory=lambda: OptimSection(lr=3e-3, warmup_steps=20,
+                                                                                  schedule="cosine"))
+
+    def __post_init__(self):
+        check_int("steps", self.steps, minimum=0)
+        check_int("batch_size", self.batch_size, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection(Section):
+    num_workers: int = 2                 # 0 = score in-process (no timeouts; debugging)
+    timeout_s: float = 5.0
+
+    def __post_init__(self):
+        check_int("num_workers", self.num_workers, minimum=0)
+        check_float("timeout_s", self.timeout_s, above=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection(Section):
+    """jax.distributed: empty/negative values fall back to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID in the environment; none of them set = single process."""
+
+    coordinator: str | None = None
+    num_processes: int = 0
+    process_id: int = -1
+    initialization_timeout: int = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Section):
+    """Training layout (`train_layout`, over all devices of all processes) and rollout shape (`engine`:
+    instances x tp on each process's local devices) are colocated on the same devices."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    train_layout: LayoutSection = dataclasses.field(default_factory=LayoutSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    rollout: SamplingSection = dataclasses.field(default_factory=SamplingSection)
+    engine: EngineSection = dataclasses.field(default_factory=EngineSection)
+    algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
+    rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
+    distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+    steps: int = 100
+    seed: int = 0
+    run_dir: str = "runs/quickstart"
+    save_every: int = 10                 # 0 = only at the end
+    keep_checkpoints: int = 3
+    export_hf: bool = True
+    pack_len: int = 0                    # 0 = max_prompt_len + max_new_tokens (rounded up to 32)
+    profile_steps: str | None = None     # "A:B": jax.profiler trace of RL steps A..B-1 into run_dir/tb
+
+    def __post_init__(self):
+        check_int("steps", self.steps, minimum=0)
+        check_int("seed", self.seed, minimum=0)
+        check_str("run_dir", self.run_dir)
+        check_int("save_every", self.save_every, minimum=0)
+        check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
+        check_int("pack_len", self.pack_len, minimum=0)
+        if self.rollout.n != 1:
+            raise ConfigError("rollout.n", "set algo.group_size instead (samples per prompt)")

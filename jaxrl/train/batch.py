@@ -1,0 +1,90 @@
+"""Training batches: pack (prompt, response) sequences into fixed-length rows and weight every token.
+
+Packing (first-fit decreasing) puts several sequences in one row with their own segment ids and
+restarted positions, which cuts padding for long-tailed response lengths; attention never crosses a
+segment (`models.forward(segment_ids=...)`). A token at index i predicts `targets[i]`; `loss_mask`
+marks the response tokens (the prompt's last token predicts the first response token; the final
+response token predicts nothing).
+
+Loss aggregation is expressed as per-token weights so that `loss = sum(w * token_loss)` is exact
+whatever the packing, micro-batching or number of processes (one mechanism, no special cases):
+  token-mean               w = 1 / (response tokens in the global batch)            (DAPO)
+  seq-mean-token-mean      w = 1 / (sequences * this sequence's response tokens)     (GRPO)
+  seq-mean-token-sum       w = 1 / sequences
+  seq-mean-token-sum-norm  w = 1 / (sequences * max_new_tokens)                      (Dr. GRPO)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Sample:
+    prompt: list[int]
+    response: list[int]
+    advantage: float = 0.0
+
+
+FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages", "weights")
+
+
+def token_weights(agg: str, lengths: np.ndarray, *, global_tokens: int, global_seqs: int, max_new_tokens: int):
+    """Per-sequence token weight for each aggregation (see module docstring)."""
+    lengths = np.maximum(np.asarray(lengths), 1)
+    if agg == "token-mean":
+        return np.full(len(lengths), 1.0 / max(global_tokens, 1))
+    if agg == "seq-mean-token-mean":
+        return 1.0 / (max(global_seqs, 1) * lengths)
+    if agg == "seq-mean-token-sum":
+        return np.full(len(lengths), 1.0 / max(global_seqs, 1))
+    if agg == "seq-mean-token-sum-norm":
+        return np.full(len(lengths), 1.0 / (max(global_seqs, 1) * max_new_tokens))
+    raise ValueError(f"unknown aggregation {agg!r}")
+
+
+def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
+    """First-fit decreasing: indices of the sequences in each row."""
+    too_long = [n for n in lengths if n > pack_len]
+    if too_long:
+        raise ValueError(f"sequence of {max(too_long)} tokens does not fit pack_len={pack_len}")
+    rows: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(space):
+            if free >= lengths[i]:
+                rows[r].append(i)
+                space[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            space.append(pack_len - lengths[i])
+    return rows
+
+
+def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None = None) -> dict[str, np.ndarray]:
+    """Pack into `n_rows` rows (default: as few as fit) of `pack_len` tokens."""
+    rows = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
+    n_rows = len(rows) if n_rows is None else n_rows
+    if n_rows < len(rows):
+        raise ValueError(f"{len(samples)} sequences need {len(rows)} rows of {pack_len}, only {n_rows} given")
+    out = {k: np.zeros((n_rows, pack_len), np.float32 if k in ("advantages", "weights") else np.int32)
+           for k in FIELDS}
+    for r, members in enumerate(rows):
+        off = 0
+        for seg, i in enumerate(members, 1):
+            s = samples[i]
+            seq = s.prompt + s.response
+            n, p = len(seq), len(s.prompt)
+            out["tokens"][r, off:off + n] = seq
+            out["positions"][r, off:off + n] = np.arange(n)
+            out["segment_ids"][r, off:off + n] = seg
+            out["targets"][r, off:off + n - 1] = seq[1:]
+            resp = slice(off + p - 1, off + n - 1)          # indices whose target is a response token
+            out["loss_mask"][r, resp] = 1
+            out["advantages"][r, resp] = s.advantage
+            out["weights"][r, resp] = seq_weights[i]
+            off += n
+    return out

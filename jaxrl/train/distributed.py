@@ -1,0 +1,63 @@
+"""Multi-controller set-up (DistFlow: every process runs the same program on its own data shard).
+
+`initialize(section, local_cpu_devices)` starts `jax.distributed` when a coordinator and more than one
+process are configured (flags, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID).
+On a CPU host it also sets the number of fake local devices and the gloo collectives, which must
+happen before JAX creates its backend. Only scalars cross processes here (`global_sum`); batches are
+assembled as global arrays from process-local pieces, never gathered on process 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from jaxrl.config.train import DistributedSection
+
+
+def settings(d: DistributedSection) -> tuple[str | None, int, int]:
+    coord = d.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    n = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    pid = d.process_id if d.process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "0"))
+    if n > 1 and not coord:
+        raise SystemExit(f"{n} processes configured but no coordinator (distributed.coordinator or "
+                         "JAX_COORDINATOR_ADDRESS)")
+    if not 0 <= pid < n:
+        raise SystemExit(f"process id {pid} not in [0, {n})")
+    return coord, n, pid
+
+
+def initialize(d: DistributedSection, local_cpu_devices: int) -> None:
+    coord, n, pid = settings(d)
+    jax.config.update("jax_num_cpu_devices", local_cpu_devices)   # fake devices; no effect on GPU/TPU
+    if n > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coord, num_processes=n, process_id=pid,
+                                   initialization_timeout=d.initialization_timeout)
+
+
+def global_sum(x) -> np.ndarray:
+    """Sum of a small host array over all processes (identical result on every process)."""
+    x = np.asarray(x, np.float64)
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x)).sum(axis=0)
+
+
+def global_max(x: int) -> int:
+    if jax.process_count() == 1:
+        return int(x)
+    from jax.experimental import multihost_utils
+    return int(np.max(multihost_utils.process_allgather(np.asarray([x], np.int64))))
+
+
+def to_local(tree):
+    """A process-local, fully-addressable copy of a (possibly multi-process) global pytree, leaf by
+    leaf through host memory; each process gathers for itself (nothing funnels through process 0)."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)

@@ -1,0 +1,40 @@
+"""Optimizer: AdamW with linear warm-up, then cosine/linear/constant decay, and global-norm clipping.
+
+Weight decay applies to the projection and embedding matrices only, not to norms or biases.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxrl.config.train import OptimSection
+
+_DECAYED = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+
+
+def schedule(o: OptimSection, total_steps: int) -> optax.Schedule:
+    warm = min(o.warmup_steps, max(total_steps - 1, 0))
+    decay_steps = max(total_steps - warm, 1)
+    if o.schedule == "cosine":
+        after = optax.cosine_decay_schedule(o.lr, decay_steps, alpha=o.min_lr_ratio)
+    elif o.schedule == "linear":
+        after = optax.linear_schedule(o.lr, o.lr * o.min_lr_ratio, decay_steps)
+    else:
+        after = optax.constant_schedule(o.lr)
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(o.lr / warm, o.lr, warm), after], [warm])
+
+
+def decay_mask(params):
+    def leaf_mask(path, _):
+        return getattr(path[-1], "name", None) in _DECAYED
+    return jax.tree_util.tree_map_with_path(leaf_mask, params)
+
+
+def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    lr = schedule(o, total_steps)
+    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), lr

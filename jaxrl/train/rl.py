@@ -1,0 +1,86 @@
+"""One RL step's data work, as plain functions the trainer calls in order:
+rollout -> rewards -> advantages -> packed global batch.
+
+Seeds: the n samples of a prompt are seeded from (run seed, step, dataset row index), so a step's
+rollouts are the same whatever the number of processes, instances or TP size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl import algos
+from jaxrl.config.train import TrainConfig
+from jaxrl.rewards.registry import reward_fn_for
+from jaxrl.rollout import Completion, RolloutService, SamplingParams
+from jaxrl.rollout.instance import bucket
+
+from .batch import Sample, pack, pack_rows, token_weights
+from .distributed import global_max, global_sum
+
+
+def request_seed(run_seed: int, step: int, row_index: int) -> int:
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{row_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def rollout(svc: RolloutService, cfg: TrainConfig, prompts: list[list[int]], rows: list[dict], step: int,
+            eos_ids) -> list[Completion]:
+    """All samples of all local prompts, prompt-major (row p*G + g)."""
+    r = cfg.rollout
+    order = []
+    for ids, row in zip(prompts, rows):
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                top_p=r.top_p, n=cfg.algo.group_size, stop_token_ids=tuple(eos_ids),
+                                seed=request_seed(cfg.seed, step, int(row["index"])))
+        order += svc.add(ids, params)
+    by_id = {c.request_id: c for c in svc.stream()}
+    return [by_id[i] for i in order]
+
+
+def score(pool, tokenizer, rows: list[dict], comps: list[Completion], group: int):
+    """Rewards [P*G] from the reward pool (crashes and timeouts score 0 and are counted)."""
+    items = []
+    for k, c in enumerate(comps):
+        row = rows[k // group]
+        items.append((reward_fn_for(row["task"]), tokenizer.decode(c.tokens), row["answer"], row["task"]))
+    return pool.score(items)
+
+
+def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int]) -> list[np.ndarray]:
+    """Per-token advantages for each sample's response (via the `jaxrl.algos` registry).
+
+    Group estimators see the process-local groups (groups never straddle processes). reinforce_pp's
+    batch normalisation is over the process-local batch (a stated simplification for multi-process).
+    """
+    a, G = cfg.algo, cfg.algo.group_size
+    T = max(max(resp_lens), 1)
+    mask = (np.arange(T)[None, :] < np.asarray(resp_lens)[:, None]).astype(np.float32)
+    if a.advantage == "reinforce_pp":
+        adv = algos.compute_advantages("reinforce_pp", rewards=rewards, mask=mask, gamma=a.gamma)
+    else:
+        adv = algos.compute_advantages(a.advantage, rewards=rewards.reshape(-1, G), mask=mask)
+    adv = np.asarray(adv)
+    return [adv[i, :n] for i, n in enumerate(resp_lens)]
+
+
+def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int):
+    """Pack local samples into rows, agree on the row count across processes, and assemble global
+    arrays sharded over the mesh's data axes (each process contributes only its own rows)."""
+    resp = np.asarray([len(s.response) for s in samples])
+    n_tok, n_seq = global_sum([resp.sum(), len(samples)])
+    weights = token_weights(cfg.algo.agg, resp, global_tokens=int(n_tok), global_seqs=int(n_seq),
+                            max_new_tokens=max_new_tokens) * cfg.algo.mini_batches
+    data = mesh.shape["dp"] * mesh.shape["fsdp"]
+    per_proc = max(1, data // jax.process_count())
+    multiple = per_proc * cfg.algo.micro_batches * cfg.algo.mini_batches
+    rows = global_max(len(pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)))
+    rows = -(-bucket(rows) // multiple) * multiple     # power-of-two buckets: few shapes, few compiles
+    local = pack(samples, weights, pack_len, n_rows=rows)
+    sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
+    shape = (rows * jax.process_count(), pack_len)
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}

@@ -1,0 +1,244 @@
+"""The synchronous, colocated RL trainer (what verl does), stage by stage.
+
+    setup:   model + train mesh (fsdp x tp over all devices) -> data shard -> optimizer -> rollout
+             instances on this process's devices -> reward pool -> checkpoints/metrics (resume if any)
+    warm start (optional): supervised steps on the built-in tasks' demonstrations
+    each RL step: prompts -> rollout -> rewards -> advantages -> packed global batch
+             -> [reference / old log-probs] -> update(s) -> weights resharded into the rollout instances
+
+Every stage lives in its own module; this file only orders them, times them and records metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxrl.config import to_yaml
+from jaxrl.config.train import TrainConfig
+from jaxrl.data import DataLoader, PromptDataset, encode_demonstrations, encode_prompts
+from jaxrl.rewards.pool import RewardPool
+from jaxrl.rollout import RolloutService
+from models import init, load_hf, load_tokenizer, logical_axes, save_hf
+from sharding import ShardingRules, shardings_for
+
+from . import rl
+from .batch import Sample
+from .checkpoint import CheckpointManager
+from .distributed import global_sum, to_local
+from .metrics import MetricsLogger, Profiler
+from .optim import make_optimizer
+from .step import LossSpec, make_logprob_fn, make_train_step
+
+log = logging.getLogger("jaxrl.train")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.is_main = jax.process_index() == 0
+        self.model_cfg, self.dtype = cfg.model.model_config(), cfg.model.jnp_dtype()
+        tok_path = cfg.model.hf_path if cfg.data.tokenizer == "model" else cfg.data.tokenizer
+        self.tokenizer = load_tokenizer(tok_path)
+        if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+            raise SystemExit(f"tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
+                             f"{self.model_cfg.vocab_size}")
+        layout = cfg.train_layout.build()
+        if layout.size != jax.device_count():
+            raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
+                             f"{jax.device_count()} are visible over {jax.process_count()} process(es)")
+        self.mesh = layout.make_mesh(jax.devices())
+        self.shardings = shardings_for(logical_axes(self.model_cfg), self.mesh,
+                                       ShardingRules.train(self.model_cfg, layout))
+        if cfg.model.hf_path:
+            _, self.params = load_hf(cfg.model.hf_path, dtype=self.dtype, shardings=self.shardings)
+        else:
+            self.params = init(jax.random.key(cfg.seed), self.model_cfg, self.dtype, shardings=self.shardings)
+        self.ref_params = None
+        self._setup_data()
+        self.tx, self.lr = make_optimizer(cfg.optim, cfg.steps * cfg.algo.mini_batches)
+        self.opt_state = jax.jit(self.tx.init)(self.params)
+        temperature = cfg.rollout.temperature or 1.0
+        a = cfg.algo
+        self.spec = LossSpec(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
+                             kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
+                             entropy_coef=a.entropy_coef, temperature=temperature)
+        self.train_step = make_train_step(self.model_cfg, self.spec, self.tx, a.micro_batches)
+        self.logprob_fn = make_logprob_fn(self.model_cfg, temperature)
+        e = cfg.engine
+        self.pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
+        self.svc = RolloutService(self.model_cfg, to_local(self.params), tp=e.tp, instances=e.instances,
+                                  devices=jax.local_devices(), page_size=e.page_size, num_pages=e.num_pages or None,
+                                  max_batch=e.max_batch, max_seq_len=e.max_seq_len, prefix_sharing=e.prefix_sharing)
+        self.pool = RewardPool(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+        self.step = 0
+        self.resumed = self._maybe_resume()
+        self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
+        self.profiler = Profiler(self.run_dir, cfg.profile_steps)
+
+    # ---------------------------------------------------------------------------------------- setup
+    def _setup_data(self):
+        d, cfg = self.cfg.data, self.cfg
+        if d.source == "builtin":
+            from jaxrl.data.tasks import BUILTIN_TASKS
+            ds = PromptDataset.builtin(list(d.tasks) or sorted(BUILTIN_TASKS), d.num_examples, cfg.seed)
+        else:
+            ds = PromptDataset.from_file(d.source, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        lens = [len(p) for p in encode_prompts(ds, self.tokenizer, d.chat)]
+        keep = [row for row, n in zip(ds, lens) if n <= d.max_prompt_len]
+        if len(keep) < len(ds):
+            log.warning("skipped %d of %d prompts longer than data.max_prompt_len=%d tokens (longest %d)",
+                        len(ds) - len(keep), len(ds), d.max_prompt_len, max(lens))
+            if not keep:
+                raise SystemExit(f"no prompt fits data.max_prompt_len={d.max_prompt_len}")
+            ds = PromptDataset(keep, source=ds.source, skipped=ds.skipped)
+        self.dataset = ds
+        n_proc = jax.process_count()
+        if cfg.algo.prompts_per_step % n_proc:
+            raise SystemExit(f"algo.prompts_per_step={cfg.algo.prompts_per_step} must divide over {n_proc} processes")
+        self.loader = DataLoader(ds, cfg.algo.prompts_per_step // n_proc, process_index=jax.process_index(),
+                                 process_count=n_proc, shuffle=d.shuffle, seed=cfg.seed)
+
+    def _state(self):
+        state = {"params": self.params, "opt_state": self.opt_state}
+        if self.ref_params is not None:
+            state["ref_params"] = self.ref_params
+        return state
+
+    def _save(self):
+        meta = {"step": self.step, "loader": self.loader.state_dict(), "config": to_yaml(self.cfg)}
+        self.ckpt.save(self.step, self._state(), meta)
+
+    def _maybe_resume(self) -> bool:
+        if self.ckpt.latest_step() is None:
+            return False
+        if self.cfg.algo.kl_coef:
+            self.ref_params = self.params
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
+        step, state, meta = self.ckpt.restore(target=target)
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.ref_params = state.get("ref_params")
+        self.step = int(meta["step"])
+        self.loader.load_state_dict(meta["loader"])
+        self.svc.update_weights(to_local(self.params))
+        if self.is_main:
+            print(f"[train] resumed from {self.run_dir / 'checkpoints'} at RL step {self.step}", flush=True)
+        return True
+
+    # ----------------------------------------------------------------------------------- warm start
+    def warm_start(self):
+        """Supervised steps on demonstrations (built-in tasks), before RL; skipped on resume."""
+        w = self.cfg.warm_start
+        if w.steps == 0 or self.resumed:
+            return
+        tx, _ = make_optimizer(w.optim, w.steps)
+        opt = jax.jit(tx.init)(self.params)
+        step_fn = make_train_step(self.model_cfg, LossSpec(kind="sft"), tx, 1)
+        loader = DataLoader(self.dataset, w.batch_size, process_index=jax.process_index(),
+                            process_count=jax.process_count(), seed=self.cfg.seed + 1)
+        bar = tqdm(range(w.steps), desc="warm start", disable=not self.is_main)
+        for i in bar:
+            pairs = encode_demonstrations(next(loader), self.tokenizer, self.cfg.data.chat)
+            samples = [Sample(p, r, 0.0) for p, r in pairs]
+            batch = rl.global_batch(samples, dataclasses.replace(self.cfg, algo=dataclasses.replace(
+                self.cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1)), self.mesh, self.pack_len,
+                self.cfg.rollout.max_new_tokens)
+            self.params, opt, m = step_fn(self.params, opt, batch)
+            if i % 10 == 0 or i == w.steps - 1:
+                nll = float(m["nll"])
+                bar.set_postfix(nll=f"{nll:.3f}")
+                self.metrics.log_tb("warm_start/nll", nll, i)
+        self.svc.update_weights(to_local(self.params))
+
+    # ------------------------------------------------------------------------------------- RL step
+    def rl_step(self) -> dict:
+        cfg, G = self.cfg, self.cfg.algo.group_size
+        t0 = time.perf_counter()
+        rows = next(self.loader)
+        prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
+        comps = rl.rollout(self.svc, cfg, prompts, rows, self.step, self.tokenizer.eos_ids)
+        t1 = time.perf_counter()
+        rewards, rstats = rl.score(self.pool, self.tokenizer, rows, comps, G)
+        t2 = time.perf_counter()
+        lens = [len(c.tokens) for c in comps]
+        adv = rl.advantages(cfg, rewards, lens)
+        samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
+        batch = rl.global_batch(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens)
+        if self.spec.kl_coef:
+            batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)
+        mb = cfg.algo.mini_batches
+        if mb > 1:
+            batch["old_logp"] = self.logprob_fn(self.params, batch)
+        else:   # on-policy, one update: old log-probs are the current ones (ratio 1, exact)
+            batch["old_logp"] = None
+        rows_per = batch["tokens"].shape[0] // mb
+        for k in range(mb):
+            part = {n: v[k * rows_per:(k + 1) * rows_per] for n, v in batch.items() if v is not None}
+            self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, part)
+        m = jax.device_get(m)
+        t3 = time.perf_counter()
+        self.svc.update_weights(to_local(self.params))
+        t4 = time.perf_counter()
+        if int(m["skipped"]):
+            log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
+        return self._metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
+                                                             sync_s=t4 - t3, step_seconds=t4 - t0))
+
+    def _metrics(self, rewards, lens, rstats, m, times) -> dict:
+        from jax.experimental import multihost_utils
+        all_r = np.asarray(rewards, np.float64)
+        all_l = np.asarray(lens, np.float64)
+        if jax.process_count() > 1:
+            all_r = np.asarray(multihost_utils.process_allgather(all_r)).ravel()
+            all_l = np.asarray(multihost_utils.process_allgather(all_l)).ravel()
+        counts = global_sum([rstats["timeouts"], rstats["crashes"], sum(s["preemptions"] for s in self.svc.stats())])
+        out = {"reward_mean": all_r.mean(), "reward_std": all_r.std(),
+               "pass_rate": float(np.mean(all_r >= 1.0)), "response_len_mean": all_l.mean(),
+               "response_len_p50": float(np.percentile(all_l, 50)), "response_len_p90": float(np.percentile(all_l, 90)),
+               "response_len_max": all_l.max(), "kl": m["kl"], "entropy": m["entropy"], "clip_frac": m["clip_frac"],
+               "grad_norm": m["grad_norm"], "loss": m["loss"], "skipped": m["skipped"],
+               "lr": float(self.lr(self.step * self.cfg.algo.mini_batches)),
+               "reward_timeouts": counts[0], "reward_crashes": counts[1], "preemptions_total": counts[2],
+               "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9), **times}
+        return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self) -> list[dict]:
+        cfg, history = self.cfg, []
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        try:
+            self.warm_start()
+            if not self.resumed and self.step == 0:
+                self._save()
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="rl", disable=not self.is_main)
+            while self.step < cfg.steps:
+                self.profiler.maybe_start(self.step)
+                m = self.rl_step()
+                self.profiler.maybe_stop(self.step)
+                self.metrics.log(self.step, m)
+                history.append(m)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=f"{m['response_len_mean']:.1f}")
+                self.step += 1
+                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
+                    self._save()
+            bar.close()
+            if cfg.export_hf:
+                save_hf(self.run_dir / "hf", self.model_cfg, self.params)
+        finally:
+            self.close()
+        return history
+
+    def close(self):
+        self.pool.close()
+        self.metrics.close()
