@@ -1,0 +1,226 @@
+"""Rollout engine vs `transformers.generate()` on the CPU, side by side in one run.
+
+    python scripts/bench_rollout.py --out bench_rollout.json            # batches 1, 16, 64
+    python scripts/bench_rollout.py --out /tmp/b.json --quick           # smoke-test sizes
+    python scripts/bench_rollout.py --out b.json --gpu-8b               # + llama3.1-8b bf16 decode on a GPU
+
+Both engines compute the same function: random weights from `models.init` are written with
+`models.save_hf` and loaded by `transformers` (sdpa attention, its CPU default), float32. Each row
+generates exactly `--new-tokens` greedy tokens (HF: `min_new_tokens`, no EOS) for `batch` prompts of
+`--prompt-len` tokens; throughput = batch * new_tokens / wall time, prefill included for both. Both are
+warmed up once on the same shapes; our compile time (first run minus steady run) is reported apart.
+Our engine gets a fixed page pool sized to fit the batch. torch uses one thread per core; XLA's CPU
+backend uses its own pool over all cores.
+
+On the CPU only the *ratio* measured in one run means anything (ARCHITECTURE.md, "Testing and
+measuring"). With `--gpu-8b` and a GPU backend present, the JSON also gets decode ms/token at batch 1
+for a random llama3.1-8b-shaped model in bfloat16 against the weight-bytes / memory-bandwidth floor;
+without a GPU it records `"gpu": null` and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Published HBM bandwidths (bytes/s) for the floor; a measured device-copy bandwidth is reported beside it.
+NOMINAL_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L4": 3.0e11, "A10": 6.0e11}
+
+
+def bench_config(quick: bool):
+    from models import ModelConfig
+
+    if quick:
+        return ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=8, num_kv_heads=4, head_dim=16, rope_theta=1_000_000.0,
+                           max_position_embeddings=2048, qk_norm=True, tie_embeddings=True)
+    return ModelConfig(architecture="qwen3", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
+                       num_heads=8, num_kv_heads=4, head_dim=64, rope_theta=1_000_000.0,
+                       max_position_embeddings=4096, qk_norm=True, tie_embeddings=True)
+
+
+def _pages(batch: int, prompt_len: int, new_tokens: int, page_size: int) -> int:
+    """A fixed pool: every sequence's full length fits, plus the scratch page."""
+    return batch * -(-(prompt_len + new_tokens) // page_size) + 1
+
+
+def run_ours(cfg, weights, prompts, new_tokens: int, page_size: int, devices=None):
+    from jaxrl.rollout import RolloutService, SamplingParams
+
+    svc = RolloutService(cfg, weights, devices=devices, page_size=page_size, max_batch=len(prompts),
+                         num_pages=_pages(len(prompts), len(prompts[0]), new_tokens, page_size))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    for p in prompts:
+        svc.add(p, params)
+    t0 = time.perf_counter()
+    steps, outs = [], []
+    while svc.has_work():
+        s0 = time.perf_counter()
+        outs += svc.step()
+        steps.append(time.perf_counter() - s0)
+    wall = time.perf_counter() - t0
+    outs.sort(key=lambda c: c.request_id)
+    return wall, steps, [c.tokens for c in outs]
+
+
+def run_hf(model, prompts, new_tokens: int):
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+def bench_cpu(args) -> dict:
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+
+    import models
+
+    torch.set_num_threads(os.cpu_count())
+    cfg = bench_config(args.quick)
+    cpu = jax.devices("cpu")[:1]
+    weights = jax.device_put(models.init(jax.random.key(0), cfg), cpu[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        models.save_hf(tmp, cfg, weights)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in args.batches:
+        prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
+        first, _, _ = run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu)     # compiles
+        ours = [run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu) for _ in range(args.repeats)]
+        run_hf(hf, prompts, min(8, args.new_tokens))                                           # warm-up
+        theirs = [run_hf(hf, prompts, args.new_tokens) for _ in range(args.repeats)]
+        t_ours, t_hf = min(r[0] for r in ours), min(r[0] for r in theirs)
+        agree = float(np.mean(np.array(ours[0][2]) == np.array(theirs[0][1])))
+        n = B * args.new_tokens
+        row = {"batch": B, "ours_tok_s": n / t_ours, "hf_tok_s": n / t_hf, "ratio": t_hf / t_ours,
+               "ours_s": t_ours, "hf_s": t_hf, "ours_compile_s": max(0.0, first - t_ours),
+               "ours_decode_ms_per_step": 1e3 * statistics.median(ours[0][1][1:]) if len(ours[0][1]) > 1 else None,
+               "greedy_token_agreement": agree}
+        rows.append(row)
+        print(f"batch {B}: ours {row['ours_tok_s']:.1f} tok/s, hf {row['hf_tok_s']:.1f} tok/s, "
+              f"ratio {row['ratio']:.2f} (compile {row['ours_compile_s']:.1f}s, agreement {agree:.3f})", flush=True)
+    return {"rows": rows, "model": {k: getattr(cfg, k) for k in (
+                "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "tie_embeddings")} | {"dtype": "float32"},
+            "environment": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                            "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "platform": platform.platform(), "jax_backend": jax.default_backend(),
+                            "xla_flags": os.environ.get("XLA_FLAGS", "")},
+            "settings": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "page_size": args.page_size,
+                         "repeats": args.repeats, "hf_attention": hf.config._attn_implementation}}
+
+
+def bench_gpu_8b(args) -> dict:
+    """Decode ms/token at batch 1, llama3.1-8b shapes, bfloat16, vs the weight-bytes / bandwidth floor."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import models
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if _has_gpu() else []
+    if not gpus:
+        return {"gpu": None, "gpu_reason": f"no GPU backend (jax backends: {jax.default_backend()})"}
+    dev = gpus[0]
+    cfg = models.PRESETS["llama3.1-8b"]
+    with jax.default_device(dev):
+        weights = models.init(jax.random.key(0), cfg, dtype=jnp.bfloat16)
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+        # Bytes one decode step must read: all weights except the embedding table (only one row is read).
+        step_bytes = weight_bytes - weights.embed.size * weights.embed.dtype.itemsize
+        x = jnp.ones((1 << 30,), jnp.bfloat16)                   # 2 GiB device copy: read + write
+        copy = jax.jit(lambda a: a + 1)
+        copy(x).block_until_ready()
+        t = min(_timed(lambda: copy(x).block_until_ready()) for _ in range(5))
+        measured_bw = 2 * x.size * x.dtype.itemsize / t
+        del x
+        prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (1, args.prompt_len)).tolist()
+        run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, [dev])          # compile
+        _, steps, _ = run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, [dev])
+    ms = 1e3 * statistics.median(steps[1:])
+    nominal = next((bw for k, bw in NOMINAL_BW.items() if k in dev.device_kind), None)
+    floor = lambda bw: 1e3 * step_bytes / bw if bw else None  # noqa: E731
+    return {"gpu": {"device": dev.device_kind, "model": "llama3.1-8b (random)", "dtype": "bfloat16", "batch": 1,
+                    "decode_ms_per_token": ms, "weight_bytes": weight_bytes, "bytes_read_per_step": step_bytes,
+                    "nominal_bw_bytes_s": nominal, "floor_ms_nominal": floor(nominal),
+                    "measured_copy_bw_bytes_s": measured_bw, "floor_ms_measured": floor(measured_bw),
+                    "fraction_of_floor": floor(measured_bw) / ms}}
+
+
+def _has_gpu() -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def markdown(result: dict) -> str:
+    lines = ["| batch | ours tok/s | transformers tok/s | ratio |", "|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f} |")
+    g = result.get("gpu")
+    if g:
+        lines.append(f"\nGPU ({g['device']}), llama3.1-8b bf16, batch 1: {g['decode_ms_per_token']:.2f} ms/token, "
+                     f"floor {g['floor_ms_measured']:.2f} ms (measured bandwidth), "
+                     f"{100 * g['fraction_of_floor']:.0f}% of floor")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and batch (best is kept)")
+    ap.add_argument("--quick", action="store_true", help="tiny model and sizes (smoke test)")
+    ap.add_argument("--gpu-8b", action="store_true", help="also time llama3.1-8b bf16 decode when a GPU is present")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batches, args.new_tokens, args.prompt_len, args.repeats = [1, 4], 8, 8, 1
+    for name in ("new_tokens", "prompt_len", "page_size", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.batches) < 1:
+        ap.error("--batches must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = bench_cpu(args)
+    if args.gpu_8b:
+        result.update(bench_gpu_8b(args))
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

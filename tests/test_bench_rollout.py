@@ -1,0 +1,29 @@
+"""Smoke test of scripts/bench_rollout.py: `--quick` run, JSON schema only (no timing asserts)."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rollout.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_run_writes_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    _load().main(["--out", str(out), "--quick", "--gpu-8b"])
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    for r in result["rows"]:
+        for key in ("ours_tok_s", "hf_tok_s", "ratio", "ours_compile_s"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (key, r)
+        assert r["greedy_token_agreement"] == 1.0   # same weights, same greedy function
+    env = result["environment"]
+    assert {"jax", "torch", "cpu_cores"} <= set(env)
+    assert "gpu" in result and (result["gpu"] is not None or result["gpu_reason"])
