@@ -86,7 +86,7 @@ def make_train_step(cfg: ModelConfig, spec: LossSpec, tx: optax.GradientTransfor
         zero_s = jax.eval_shape(lambda: loss_fn(params, cfg, spec, jax.tree.map(lambda x: x[0], mbs))[1])
         zero_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_s)
         (grads, sums), _ = jax.lax.scan(body, (zero_g, zero_s), mbs)
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(gnorm)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
