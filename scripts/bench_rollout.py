@@ -1,6 +1,6 @@
 """Rollout engine vs `transformers.generate()` on the CPU, side by side in one run.
 
-    python scripts/bench_rollout.py --out bench_rollout.json            # batches 1, 16, 64
+    python scripts/bench_rollout.py --out bench_rollout.json            # batches 1, 16, 64 (+ bench_rollout.md)
     python scripts/bench_rollout.py --out /tmp/b.json --quick           # smoke-test sizes
     python scripts/bench_rollout.py --out b.json --gpu-8b               # + llama3.1-8b bf16 decode on a GPU
 
@@ -217,7 +217,9 @@ def main(argv=None) -> dict:
     result = bench_cpu(args)
     if args.gpu_8b:
         result.update(bench_gpu_8b(args))
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(markdown(result) + "\n")     # the README table
     print(markdown(result))
     return result
 

@@ -19,6 +19,7 @@ def test_quick_run_writes_schema(tmp_path):
     out = tmp_path / "bench.json"
     _load().main(["--out", str(out), "--quick", "--gpu-8b"])
     result = json.loads(out.read_text())
+    assert (tmp_path / "bench.md").read_text().startswith("| batch |")
     assert [r["batch"] for r in result["rows"]] == [1, 4]
     for r in result["rows"]:
         for key in ("ours_tok_s", "hf_tok_s", "ratio", "ours_compile_s"):
