@@ -1,0 +1,167 @@
+"""Prompt datasets: rows {prompt, answer, task} from JSONL, Parquet or the built-in task suite.
+
+A row is valid when its prompt and answer are non-empty strings (and its task, where the file has one,
+is a string). Anything else — a line that is not JSON, a missing key, a number or null where a string
+belongs — is skipped, counted in `dataset.skipped`, and the first such row is kept as text in
+`dataset.skipped_example` and logged with the count, so a bad export shows up in the log instead of
+silently shrinking the dataset. A file with no valid row at all is an error, as is a Parquet file
+without the requested columns (a configuration mistake, not a bad row).
+
+DeepScaleR-style files (`problem`/`answer` columns, no task column) load with
+`from_parquet(path, prompt_key="problem")`; rows without a task field get `default_task` ("math",
+scored by the math verifier in `jaxrl.rewards`).
+
+Every process holds the row table (prompts are text: tens of MB for 40k math problems, and Parquet
+reads only the requested columns) but consumes, tokenizes and generates only its own shard: the
+`DataLoader` hands each process its slice of a per-epoch permutation, which needs random access to the
+rows. Chat-format prompts (a list of messages in one cell) are not read; flatten them to the user turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Iterable, Iterator, Sequence
+
+from .tasks import make_suite
+
+logger = logging.getLogger(__name__)
+
+Row = dict[str, str]
+_SNIPPET = 200
+
+
+def _snippet(value) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= _SNIPPET else text[:_SNIPPET] + "..."
+
+
+def _check(record, prompt_key: str, answer_key: str, task_key: str, default_task: str) -> Row | str:
+    """The row, or the reason it is malformed."""
+    if not isinstance(record, dict):
+        return f"not an object ({type(record).__name__})"
+    fields = {}
+    for key in (prompt_key, answer_key):
+        if key not in record:
+            return f"missing {key!r}"
+        value = record[key]
+        if not isinstance(value, str):
+            return f"{key!r} is {type(value).__name__}, not a string"
+        if not value.strip():
+            return f"{key!r} is empty"
+        fields[key] = value
+    task = record.get(task_key)
+    if task is None:
+        task = default_task
+    elif not isinstance(task, str) or not task:
+        return f"{task_key!r} is {type(task).__name__}, not a non-empty string"
+    return {"prompt": fields[prompt_key], "answer": fields[answer_key], "task": task}
+
+
+class PromptDataset(Sequence[Row]):
+    """An indexable list of rows {"prompt", "answer", "task"} plus what was skipped while loading."""
+
+    def __init__(self, rows: Iterable[Row], *, source: str = "<memory>", skipped: int = 0,
+                 skipped_example: str | None = None):
+        self.rows: list[Row] = list(rows)
+        self.source = source
+        self.skipped = skipped
+        self.skipped_example = skipped_example
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.rows)
+
+    def __repr__(self) -> str:
+        return f"PromptDataset({len(self)} rows from {self.source}, {self.skipped} skipped)"
+
+    @classmethod
+    def _collect(cls, records: Iterable[tuple[str, object]], source: str, prompt_key: str, answer_key: str,
+                 task_key: str, default_task: str) -> "PromptDataset":
+        """records: (where, record-or-parse-error) pairs; `where` names the line/row for the log."""
+        rows, skipped, example = [], 0, None
+        for where, record in records:
+            checked = record if isinstance(record, _Malformed) else \
+                _check(record, prompt_key, answer_key, task_key, default_task)
+            if isinstance(checked, dict):
+                rows.append(checked)
+                continue
+            skipped += 1
+            if example is None:
+                raw = record.raw if isinstance(record, _Malformed) else record
+                example = f"{source}:{where}: {checked}: {_snippet(raw)}"
+        if skipped:
+            logger.warning("%s: skipped %d malformed of %d rows (prompt_key=%r, answer_key=%r); first: %s",
+                           source, skipped, skipped + len(rows), prompt_key, answer_key, example)
+        if not rows:
+            raise ValueError(f"{source}: no valid rows with string {prompt_key!r} and {answer_key!r}"
+                             + (f"; first malformed: {example}" if example else " (empty file)"))
+        return cls(rows, source=source, skipped=skipped, skipped_example=example)
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
+                   task_key: str = "task", default_task: str = "math") -> "PromptDataset":
+        """One JSON object per line; blank lines are ignored (not counted as malformed)."""
+
+        def records():
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield f"line {lineno}", json.loads(line)
+                    except json.JSONDecodeError as e:
+                        yield f"line {lineno}", _Malformed(f"not JSON ({e.msg})", line.rstrip("\n"))
+
+        return cls._collect(records(), os.fspath(path), prompt_key, answer_key, task_key, default_task)
+
+    @classmethod
+    def from_parquet(cls, path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
+                     task_key: str = "task", default_task: str = "math") -> "PromptDataset":
+        """Reads only the prompt, answer (and task, if present) columns, batch by batch."""
+        import pyarrow.parquet as pq
+
+        f = pq.ParquetFile(path)
+        names = f.schema_arrow.names
+        missing = [k for k in (prompt_key, answer_key) if k not in names]
+        if missing:
+            raise ValueError(f"{os.fspath(path)}: no column(s) {missing}; columns are {names}")
+        columns = [prompt_key, answer_key] + ([task_key] if task_key in names else [])
+
+        def records():
+            index = 0
+            for batch in f.iter_batches(columns=columns):
+                for record in batch.to_pylist():
+                    yield f"row {index}", record
+                    index += 1
+
+        return cls._collect(records(), os.fspath(path), prompt_key, answer_key, task_key, default_task)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **keys) -> "PromptDataset":
+        """`from_parquet` for *.parquet, else `from_jsonl`."""
+        loader = cls.from_parquet if os.fspath(path).endswith(".parquet") else cls.from_jsonl
+        return loader(path, **keys)
+
+    @classmethod
+    def builtin(cls, task_names: Sequence[str] | str, n: int, seed: int) -> "PromptDataset":
+        """n generated rows of the built-in tasks (see `jaxrl.data.tasks.make_suite`)."""
+        names = [task_names] if isinstance(task_names, str) else list(task_names)
+        rows = [dataclasses.asdict(ex) for ex in make_suite(names, n, seed)]
+        return cls(rows, source=f"builtin({','.join(names)}, n={n}, seed={seed})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    reason: str
+    raw: str
+
+    def __str__(self) -> str:
+        return self.reason

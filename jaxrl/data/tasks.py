@@ -1,0 +1,178 @@
+"""Built-in task suite: generated prompts with verifiable answers, no downloads.
+
+Every task is a short string transformation a tiny character-level model can learn (copy, reverse,
+sort, repeat, add), over the letters a-j and the digits. What makes them a useful RL testbed is the
+*length* of the answer: it is set by the prompt and drawn from a clipped log-normal (`long_tail_length`), so most answers are 2-8 characters and
+about one prompt in fifty needs 30-60 — the long-tailed generation skew that tail batching (RollPacker),
+skew-aware placement (StreamRL) and adaptive TP (PAT) attack. `repeat` hides the length behind
+arithmetic ("rep ab 7" → 14 characters), so a length predictor has to learn it rather than read it off
+the prompt length.
+
+Prompts are compact (the char tokenizer spends one token per character) and use only printable ASCII:
+with `CharTokenizer`'s chat template a prompt is ~27 tokens (median) and prompt + answer + EOS is at
+most 144 tokens. Answer lengths over 10k examples (median / p99 / max characters): copy, reverse and
+sort 5 / 42 / 60, repeat 6 / 51 / 60, add 2 / 16 / 30.
+`demonstration` gives the ideal response for the supervised warm start; `score` gives partial credit in
+[0, 1] — the fraction of the answer reproduced as a correct prefix, divided by the longer of response and
+answer, so a wrong character, a missing tail and trailing garbage all cost reward and only the exact
+answer scores 1 — which keeps the reward informative for a policy that is only partly right.
+
+`score(task, response, answer)` is a picklable top-level function with no JAX import: the reward
+process pool calls it in worker processes. Rows of other tasks (e.g. "math" from DeepScaleR) are scored
+by their own verifiers elsewhere; here they raise `KeyError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Callable, Sequence
+
+import numpy as np
+
+# Ten letters, not 26: with the same 400 supervised steps a 2-layer, 128-wide char model reached a
+# greedy score of 0.62/0.62/0.60 on copy/reverse/sort over "a".."j" against 0.24/0.35/0.44 over "a".."z"
+# (CPU, packed batches of 64 demonstrations) — a warm start that sometimes succeeds, as RL needs.
+LETTERS = string.ascii_lowercase[:10]
+MAX_ANSWER_CHARS = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+    task: str
+
+
+def long_tail_length(rng: np.random.Generator, median: float, sigma: float = 0.9, lo: int = 1,
+                     hi: int = MAX_ANSWER_CHARS) -> int:
+    """round(median · exp(sigma · z)), z ~ N(0, 1), clipped to [lo, hi].
+
+    With sigma = 0.9 the 99th percentile is ≈ 8× the median (exp(2.33 · 0.9)); the clip bounds the
+    longest rollout (and so the CPU quickstart's time).
+    """
+    return int(np.clip(round(median * np.exp(sigma * rng.standard_normal())), lo, hi))
+
+
+def _letters(rng: np.random.Generator, n: int) -> str:
+    return "".join(LETTERS[i] for i in rng.integers(0, len(LETTERS), size=n))
+
+
+def _number(rng: np.random.Generator, digits: int) -> int:
+    if digits == 1:
+        return int(rng.integers(0, 10))
+    return int(str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, size=digits - 1)))
+
+
+def prefix_score(response: str, answer: str) -> float:
+    """|common prefix| / max(|response|, |answer|): 1 only for the exact answer, else < 1.
+
+    Monotone in the length of the correct prefix; trailing characters after a correct answer (a policy
+    that does not stop) lower the score like missing ones do.
+    """
+    response, answer = response.strip(), answer.strip()
+    denom = max(len(response), len(answer))
+    if denom == 0:
+        return 1.0
+    k = 0
+    for a, b in zip(response, answer):
+        if a != b:
+            break
+        k += 1
+    return k / denom
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A generator of (prompt, answer) pairs with a verifier.
+
+    `generate(rng) -> (prompt, answer)`; `scorer(response, answer) -> [0, 1]`.
+    """
+
+    name: str
+    description: str
+    generate: Callable[[np.random.Generator], tuple[str, str]]
+    scorer: Callable[[str, str], float] = prefix_score
+
+    def make(self, rng: np.random.Generator) -> Example:
+        prompt, answer = self.generate(rng)
+        return Example(prompt, answer, self.name)
+
+    def demonstration(self, ex: Example) -> str:
+        """The ideal response text (without EOS; the tokenizer's EOS ends it)."""
+        return ex.answer
+
+    def score(self, response: str, answer: str) -> float:
+        return float(self.scorer(response.strip(), answer.strip()))
+
+
+def _copy(rng):
+    s = _letters(rng, long_tail_length(rng, median=5))
+    return f"copy {s}", s
+
+
+def _reverse(rng):
+    s = _letters(rng, long_tail_length(rng, median=5))
+    return f"rev {s}", s[::-1]
+
+
+def _sort(rng):
+    s = _letters(rng, long_tail_length(rng, median=5))
+    return f"sort {s}", "".join(sorted(s))
+
+
+def _repeat(rng):
+    unit = _letters(rng, int(rng.integers(1, 3)))
+    n = max(2, long_tail_length(rng, median=6, lo=2) // len(unit))
+    return f"rep {unit} {n}", unit * n
+
+
+def _add(rng):
+    digits = long_tail_length(rng, median=2, lo=1, hi=MAX_ANSWER_CHARS // 2)
+    a, b = _number(rng, digits), _number(rng, int(rng.integers(1, digits + 1)))
+    if rng.random() < 0.5:
+        a, b = b, a
+    return f"add {a}+{b}", str(a + b)
+
+
+BUILTIN_TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("copy", "copy a string of letters", _copy),
+    Task("reverse", "reverse a string of letters", _reverse),
+    Task("sort", "sort the letters of a string", _sort),
+    Task("repeat", "repeat a 1-2 letter unit n times", _repeat),
+    Task("add", "add two non-negative integers", _add),
+)}
+
+
+def get_task(name: str) -> Task:
+    try:
+        return BUILTIN_TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)}") from None
+
+
+def score(task: str, response: str, answer: str) -> float:
+    """Reward in [0, 1] of `response` (decoded text up to EOS) for a row of built-in task `task`."""
+    return get_task(task).score(response, answer)
+
+
+def demonstration(ex: Example) -> str:
+    """The ideal response for a built-in example (the supervised warm start's target)."""
+    return get_task(ex.task).demonstration(ex)
+
+
+def make_suite(names: Sequence[str], n: int, seed: int) -> list[Example]:
+    """n examples cycling through `names` in order, from one seeded generator.
+
+    Deterministic in (names, n, seed), and `make_suite(names, n, seed)` is a prefix of
+    `make_suite(names, n + k, seed)`.
+    """
+    if isinstance(names, str):
+        names = [names]
+    tasks = [get_task(name) for name in names]
+    if not tasks:
+        raise ValueError("make_suite needs at least one task name")
+    if n < 0:
+        raise ValueError(f"make_suite: n must be >= 0, got {n}")
+    rng = np.random.default_rng(seed)
+    return [tasks[i % len(tasks)].make(rng) for i in range(n)]
