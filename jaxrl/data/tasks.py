@@ -2,8 +2,8 @@
 
 Every task is a short string transformation a tiny character-level model can learn (copy, reverse,
 sort, repeat, add), over the letters a-j and the digits. What makes them a useful RL testbed is the
-*length* of the answer: it is set by the prompt and drawn from a clipped log-normal (`long_tail_length`), so most answers are 2-8 characters and
-about one prompt in fifty needs 30-60 — the long-tailed generation skew that tail batching (RollPacker),
+*length* of the answer: it is set by the prompt and drawn from a clipped log-normal
+(`long_tail_length`), so most answers are 2-8 characters and about one prompt in fifty needs 30-60 — the long-tailed generation skew that tail batching (RollPacker),
 skew-aware placement (StreamRL) and adaptive TP (PAT) attack. `repeat` hides the length behind
 arithmetic ("rep ab 7" → 14 characters), so a length predictor has to learn it rather than read it off
 the prompt length.
@@ -12,6 +12,7 @@ Prompts are compact (the char tokenizer spends one token per character) and use 
 with `CharTokenizer`'s chat template a prompt is ~27 tokens (median) and prompt + answer + EOS is at
 most 144 tokens. Answer lengths over 10k examples (median / p99 / max characters): copy, reverse and
 sort 5 / 42 / 60, repeat 6 / 51 / 60, add 2 / 16 / 30.
+
 `demonstration` gives the ideal response for the supervised warm start; `score` gives partial credit in
 [0, 1] — the fraction of the answer reproduced as a correct prefix, divided by the longer of response and
 answer, so a wrong character, a missing tail and trailing garbage all cost reward and only the exact
