@@ -3,8 +3,9 @@
 Every task is a short string transformation a tiny character-level model can learn (copy, reverse,
 sort, repeat, add), over the letters a-j and the digits. What makes them a useful RL testbed is the
 *length* of the answer: it is set by the prompt and drawn from a clipped log-normal
-(`long_tail_length`), so most answers are 2-8 characters and about one prompt in fifty needs 30-60 — the long-tailed generation skew that tail batching (RollPacker),
-skew-aware placement (StreamRL) and adaptive TP (PAT) attack. `repeat` hides the length behind
+(`long_tail_length`), so most answers are 2-8 characters and about one prompt in fifty needs 30-60:
+the long-tailed generation skew that tail batching (RollPacker), skew-aware placement (StreamRL) and
+adaptive TP (PAT) attack. `repeat` hides the length behind
 arithmetic ("rep ab 7" → 14 characters), so a length predictor has to learn it rather than read it off
 the prompt length.
 
