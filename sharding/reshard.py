@@ -189,10 +189,19 @@ def reshard(weights: Any, target_shardings: Any, *, donate: bool = False,
     out, by_leaf = [], {}
     moved_leaves = layer_steps = max_step = total = 0
     for (path, x), (_, target) in zip(src, dst):
-        if not isinstance(x, jax.Array):
-            raise TypeError(f"{path}: expected a jax.Array, got {type(x).__name__}")
         if not isinstance(target, Sharding):
             raise TypeError(f"{path}: expected a jax.sharding.Sharding target, got {type(target).__name__}")
+        if isinstance(x, np.ndarray):
+            # A host copy (e.g. gathered from a multi-process array): each target device receives only its
+            # own slice; every byte crosses host->device, so all of it counts as moved.
+            total += x.nbytes
+            moved_leaves += 1
+            by_leaf[path] = x.nbytes
+            max_step = max(max_step, x.nbytes)
+            out.append(jax.device_put(x, target))
+            continue
+        if not isinstance(x, jax.Array):
+            raise TypeError(f"{path}: expected a jax.Array or numpy array, got {type(x).__name__}")
         total += x.nbytes
         if x.sharding.is_equivalent_to(target, x.ndim):
             # Same devices, same shards (e.g. replicated on the same devices of another mesh): relabel only;

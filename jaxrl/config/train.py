@@ -91,7 +91,7 @@ class OptimSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSection(Section):
-    """Supervised warm start on the built-in tasks' demonstrations (steps 0 = skip)."""
+    """Supervised warm start on the built-in tasks' demonstrations (steps 0 = skip); `batch_size` is global."""
 
     steps: int = 0
     batch_size: int = 32

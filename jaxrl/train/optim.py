@@ -38,3 +38,14 @@ def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTra
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
     return optax.chain(*parts), lr
+
+
+def init_state(tx: optax.GradientTransformation, params, param_shardings, mesh):
+    """Optimizer state laid out like the params (moments share each param's sharding) with the rest
+    (step counters) replicated over the mesh — global arrays every process can checkpoint."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    abstract = jax.eval_shape(tx.init, params)
+    out = optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_shardings,
+                                transform_non_params=lambda _: NamedSharding(mesh, P()))
+    return jax.jit(tx.init, out_shardings=out)(params)

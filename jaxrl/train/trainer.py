@@ -34,7 +34,7 @@ from .batch import Sample
 from .checkpoint import CheckpointManager
 from .distributed import global_sum, to_local
 from .metrics import MetricsLogger, Profiler
-from .optim import make_optimizer
+from .optim import init_state, make_optimizer
 from .step import LossSpec, make_logprob_fn, make_train_step
 
 log = logging.getLogger("jaxrl.train")
@@ -64,7 +64,7 @@ class Trainer:
         self.ref_params = None
         self._setup_data()
         self.tx, self.lr = make_optimizer(cfg.optim, cfg.steps * cfg.algo.mini_batches)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
+        self.opt_state = init_state(self.tx, self.params, self.shardings, self.mesh)
         temperature = cfg.rollout.temperature or 1.0
         a = cfg.algo
         self.spec = LossSpec(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
@@ -140,9 +140,11 @@ class Trainer:
         if w.steps == 0 or self.resumed:
             return
         tx, _ = make_optimizer(w.optim, w.steps)
-        opt = jax.jit(tx.init)(self.params)
+        opt = init_state(tx, self.params, self.shardings, self.mesh)
         step_fn = make_train_step(self.model_cfg, LossSpec(kind="sft"), tx, 1)
-        loader = DataLoader(self.dataset, w.batch_size, process_index=jax.process_index(),
+        if w.batch_size % jax.process_count():
+            raise SystemExit(f"warm_start.batch_size={w.batch_size} must divide over {jax.process_count()} processes")
+        loader = DataLoader(self.dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
                             process_count=jax.process_count(), seed=self.cfg.seed + 1)
         bar = tqdm(range(w.steps), desc="warm start", disable=not self.is_main)
         for i in bar:
