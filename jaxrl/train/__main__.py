@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = _flags(list(sys.argv[1:] if argv is None else argv))
     cfg = parse_cli(TrainConfig, argv, default_yaml=CONFIGS_DIR / "quickstart.yaml", prog="python -m jaxrl.train")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src.xla_bridge"):      # orbax logs every save at INFO through absl
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     from jaxrl.train.distributed import initialize, settings
 
     _, n_proc, _ = settings(cfg.distributed)
