@@ -153,3 +153,10 @@ def test_bad_requests(weights):
         svc.add([CFG.vocab_size], SamplingParams())
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_persistent_compilation_cache_on_by_default(weights):
+    import jax
+
+    RolloutService(CFG, weights, page_size=8, num_pages=8)
+    assert jax.config.jax_compilation_cache_dir

@@ -25,6 +25,7 @@ CONFIG_CLASSES: dict[str, type[Section]] = {
     "demo.yaml": DemoConfig,
     "generate.yaml": GenerateConfig,
     "quickstart.yaml": TrainConfig,
+    "grpo_qwen3_0.6b_math.yaml": TrainConfig,
 }
 
 __all__ = [

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence as Seq
 
 import jax
 
+from jaxrl.runtime import enable_compilation_cache
 from models import ModelConfig, Weights, logical_axes
 from sharding import Layout, ShardingRules, reshard, shardings_for, split_devices
 
@@ -35,6 +36,7 @@ class RolloutService:
         devices = list(devices if devices is not None else jax.devices())
         if tp * instances > len(devices):
             raise ValueError(f"tp={tp} x instances={instances} needs {tp * instances} devices, have {len(devices)}")
+        enable_compilation_cache()
         self.cfg, self.router, self.layout = cfg, router, Layout(tp=tp)
         if num_pages is None:
             num_pages = max_batch * -(-max_seq_len // page_size) + 1

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     _, n_proc, _ = settings(cfg.distributed)
     local = max(cfg.engine.tp * cfg.engine.instances, cfg.train_layout.num_devices // n_proc)
     initialize(cfg.distributed, local)
+    from jaxrl.runtime import enable_compilation_cache
+
+    enable_compilation_cache()
 
     from jaxrl.train.trainer import Trainer
 
