@@ -160,3 +160,13 @@ def test_persistent_compilation_cache_on_by_default(weights):
 
     RolloutService(CFG, weights, page_size=8, num_pages=8)
     assert jax.config.jax_compilation_cache_dir
+
+
+def test_pallas_kernels_in_the_engine_match_xla(weights, prompts):
+    """The engine on the Pallas attention kernels (interpret mode on the CPU) == the XLA path."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    few = [prompts[0], prompts[3]]
+    xla = generate(CFG, weights, few, params, page_size=8, num_pages=16, prefill_chunk=16)
+    pallas = generate(CFG, weights, few, params, page_size=8, num_pages=16, prefill_chunk=16, attention_impl="pallas")
+    assert [o.tokens for o in pallas] == [o.tokens for o in xla]
+    np.testing.assert_allclose([o.logprobs for o in pallas], [o.logprobs for o in xla], atol=LOGPROB_ATOL_F32)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Section, check_float, check_int, check_str
+from .base import Section, check_choice, check_float, check_int, check_str
 from .sections import ModelSection
 
 
@@ -42,8 +42,10 @@ class EngineSection(Section):
     max_batch: int = 64
     max_seq_len: int = 1024
     prefix_sharing: bool = True
+    attention_impl: str = "xla"   # "pallas" = the Pallas kernels (GPU; interpret mode on the CPU)
 
     def __post_init__(self):
+        check_choice("attention_impl", self.attention_impl, ("xla", "pallas"))
         for name in ("tp", "instances", "page_size", "max_batch", "max_seq_len"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("num_pages", self.num_pages, minimum=0)

@@ -74,10 +74,12 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
-                 max_batch: int = 64, prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True):
+                 max_batch: int = 64, prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True,
+                 attention_impl: str = "xla"):
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.pool = PagePool(num_pages, page_size)
         self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
+        self.impl = attention_impl
         tp = mesh.shape["tp"]
         kv_axis = "tp" if cfg.num_kv_heads % tp == 0 else None   # replicated when tp > kv heads
         self.kv_sharding = NamedSharding(mesh, P(None, None, None, kv_axis, None))
@@ -157,7 +159,8 @@ class Instance:
                 s.computed += n
             put = lambda x: jax.device_put(x, self.replicated)
             self.k_pages, self.v_pages = model_step.prefill_step(
-                self.weights, self.cfg, self.k_pages, self.v_pages, put(tokens), put(start), put(n_valid), put(table))
+                self.weights, self.cfg, self.k_pages, self.v_pages, put(tokens), put(start), put(n_valid), put(table),
+                impl=self.impl)
 
     def _fork(self, group: list[Sequence]):
         """Siblings share the leader's full prompt pages and copy the page with the last prompt position."""
@@ -213,7 +216,7 @@ class Instance:
         put = lambda x: jax.device_put(x, self.replicated)
         tok, logp, self.k_pages, self.v_pages = model_step.decode_step(
             self.weights, self.cfg, self.k_pages, self.v_pages, put(tokens), put(pos), put(table),
-            jax.tree.map(put, sb))
+            jax.tree.map(put, sb), impl=self.impl)
         self.busy_s += time.perf_counter() - t0
         return batch, tok, logp, t0
 

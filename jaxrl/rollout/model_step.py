@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import attention
+from kernels import attention, normalize, paged_decode_attention
 from models import ModelConfig, Weights, lm_head
 from models import layers as L
 from models.forward import inv_freq
@@ -61,8 +61,8 @@ def _logits(weights, h):
     return jnp.einsum("be,ev->bv", h, lm_head(weights), preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pages", "v_pages"))
-def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_valid, page_table):
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("k_pages", "v_pages"))
+def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_valid, page_table, impl: str = "xla"):
     """Process one chunk of C prompt tokens for each of B sequences.
 
     tokens [B, C] (row b holds positions start[b] .. start[b]+C-1, the first n_valid[b] real);
@@ -82,18 +82,22 @@ def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_v
         k_pages = k_pages.at[l, page, slot].set(k.astype(k_pages.dtype))
         v_pages = v_pages.at[l, page, slot].set(v.astype(v_pages.dtype))
         kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
-        return attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True), k_pages, v_pages
+        o = attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True, implementation=impl)
+        return o, k_pages, v_pages
 
     _, k_pages, v_pages = _decoder(weights, cfg, tokens, pos, k_pages, v_pages, attend)
     return k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pages", "v_pages"))
-def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, page_table, sampling):
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("k_pages", "v_pages"))
+def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, page_table, sampling,
+                impl: str = "xla"):
     """One token for each of B sequences: tokens [B] at positions [B]; page_table [B, MP].
 
-    Padding rows point their page table at the scratch page 0. Returns (tokens [B], logprobs [B],
-    k_pages, v_pages).
+    Padding rows point their page table at the scratch page 0. impl="xla" gathers each sequence's pages
+    and attends with `kernels.attention` (the CPU default); impl="pallas" runs the paged decode kernel on
+    the page pool directly (GPU; interpret mode on the CPU). Returns (tokens [B], logprobs [B], k_pages,
+    v_pages).
     """
     ps = k_pages.shape[2]
     page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
@@ -102,6 +106,10 @@ def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, 
     def attend(l, q, k, v, k_pages, v_pages):
         k_pages = k_pages.at[l, page, slot].set(k[:, 0].astype(k_pages.dtype))
         v_pages = v_pages.at[l, page, slot].set(v[:, 0].astype(v_pages.dtype))
+        if impl == "pallas":
+            o, lse_l, _ = paged_decode_attention(q[:, 0], k_pages[l], v_pages[l], page_table, positions + 1,
+                                                 implementation="pallas")
+            return normalize(o, lse_l, dtype=q.dtype)[:, None], k_pages, v_pages
         kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
         return attention(q, kk, vv, kv_lengths=positions + 1, causal=False), k_pages, v_pages
 

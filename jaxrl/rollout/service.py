@@ -25,14 +25,18 @@ from .instance import Completion, Instance, Sequence
 from .sampling import SamplingParams
 
 ROUTERS = ("least_loaded", "round_robin")
+ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (interpret mode on the CPU)
 
 
 class RolloutService:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int = 1, instances: int = 1, devices=None,
                  num_pages: int | None = None, page_size: int = 16, max_batch: int = 64, max_seq_len: int = 1024,
-                 prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded"):
+                 prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
+                 attention_impl: str = "xla"):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={attention_impl!r}; valid choices: {', '.join(ATTENTION_IMPLS)}")
         devices = list(devices if devices is not None else jax.devices())
         if tp * instances > len(devices):
             raise ValueError(f"tp={tp} x instances={instances} needs {tp * instances} devices, have {len(devices)}")
@@ -46,7 +50,7 @@ class RolloutService:
             w, _ = reshard(weights, self._shardings(mesh))
             self.instances.append(Instance(i, cfg, mesh, w, num_pages=num_pages, page_size=page_size,
                                            max_batch=max_batch, prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
-                                           prefix_sharing=prefix_sharing))
+                                           prefix_sharing=prefix_sharing, attention_impl=attention_impl))
         self._ids = itertools.count()
         self._groups = itertools.count()
         self._rr = itertools.cycle(range(instances))
