@@ -201,3 +201,13 @@ def test_layout_section_builds():
         pytest.skip("sharding.Layout not written yet")
     layout = LayoutSection(dp=1, fsdp=4, tp=2).build()
     assert isinstance(layout, sharding.Layout) and (layout.dp, layout.fsdp, layout.tp) == (1, 4, 2)
+
+
+def test_train_config_choices_match_the_algos_registries():
+    """The training config lists valid names statically (config stays import-light); keep them in sync."""
+    from jaxrl import algos
+    from jaxrl.config import train
+
+    assert set(train.AGGREGATIONS) == set(algos.AGGREGATIONS)
+    assert set(train.KL_ESTIMATORS) == set(algos.KL_ESTIMATORS)
+    assert set(train.ADVANTAGES) <= set(algos.ADVANTAGE_ESTIMATORS)   # gae needs a critic (not wired)

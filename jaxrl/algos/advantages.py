@@ -27,27 +27,19 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from .registry import lookup, registrar
 from .masked import (as_mask, broadcast_sequence, check_shapes, last_token_mask, masked_whiten,
                      reverse_discounted_sum)
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 
 
-def register_advantage(name: str):
-    """Decorator: add an estimator to ADVANTAGE_ESTIMATORS under `name` (a repeated name is an error)."""
-    def deco(fn):
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-    return deco
+register_advantage = registrar(ADVANTAGE_ESTIMATORS, "advantage estimator")
 
 
 def compute_advantages(name: str, **kwargs):
     """Run the estimator registered as `name` with keyword arguments (see each estimator)."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid choices: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    return ADVANTAGE_ESTIMATORS[name](**kwargs)
+    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")(**kwargs)
 
 
 def _group_inputs(rewards, mask, what: str) -> tuple[jax.Array, jax.Array]:

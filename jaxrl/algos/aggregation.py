@@ -21,27 +21,20 @@ import jax
 import jax.numpy as jnp
 
 from .masked import as_mask, check_shapes, masked_sum
+from .registry import lookup, registrar
 
 AGGREGATIONS: dict[str, Callable] = {}
 
 
-def register_aggregation(name: str):
-    """Decorator: add an aggregation mode to AGGREGATIONS under `name` (a repeated name is an error)."""
-    def deco(fn):
-        if name in AGGREGATIONS:
-            raise ValueError(f"aggregation {name!r} is already registered")
-        AGGREGATIONS[name] = fn
-        return fn
-    return deco
+register_aggregation = registrar(AGGREGATIONS, "aggregation")
 
 
 def aggregate(x, mask, agg: str = "token-mean", *, norm_len=None, denom=None) -> jax.Array:
     """Reduce per-token values x [B, T] over valid tokens with the mode `agg` (see AGGREGATIONS)."""
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {agg!r}; valid choices: {', '.join(AGGREGATIONS)}")
+    fn = lookup(AGGREGATIONS, agg, "aggregation")
     mask = as_mask(mask, what=f"aggregate({agg})")
     check_shapes(f"aggregate({agg})", x=x, mask=mask)
-    return AGGREGATIONS[agg](jnp.asarray(x, jnp.float32), mask, norm_len=norm_len, denom=denom)
+    return fn(jnp.asarray(x, jnp.float32), mask, norm_len=norm_len, denom=denom)
 
 
 def _num_seqs(mask, denom):

@@ -20,18 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from .masked import check_shapes
+from .registry import lookup, registrar
 
 KL_ESTIMATORS: dict[str, Callable] = {}
 
 
-def register_kl_estimator(name: str):
-    """Decorator: add an estimator fn(logp, ref_logp) -> per-token KL to KL_ESTIMATORS."""
-    def deco(fn):
-        if name in KL_ESTIMATORS:
-            raise ValueError(f"KL estimator {name!r} is already registered")
-        KL_ESTIMATORS[name] = fn
-        return fn
-    return deco
+register_kl_estimator = registrar(KL_ESTIMATORS, "KL estimator")   # fn(logp, ref_logp) -> per-token KL
 
 
 @register_kl_estimator("k1")
@@ -63,14 +57,13 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None) -> jax.Array:
     With `mask`, padding positions are 0 and never reach the estimator (no overflow from garbage
     log-probs in padding, and no NaN gradient through it).
     """
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; valid choices: {', '.join(KL_ESTIMATORS)}")
+    fn = lookup(KL_ESTIMATORS, kind, "KL estimator")
     check_shapes(f"kl_penalty({kind})", logp=logp, ref_logp=ref_logp)
     logp = jnp.asarray(logp, jnp.float32)
     ref_logp = jnp.asarray(ref_logp, jnp.float32)
     if mask is None:
-        return KL_ESTIMATORS[kind](logp, ref_logp)
+        return fn(logp, ref_logp)
     check_shapes(f"kl_penalty({kind})", logp=logp, mask=mask)
     valid = jnp.asarray(mask) > 0
-    out = KL_ESTIMATORS[kind](jnp.where(valid, logp, 0.0), jnp.where(valid, ref_logp, 0.0))
+    out = fn(jnp.where(valid, logp, 0.0), jnp.where(valid, ref_logp, 0.0))
     return jnp.where(valid, out, 0.0)

@@ -60,7 +60,7 @@ def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
                                                     clip_high=spec.clip_high, dual_clip=spec.dual_clip)
     kl = jnp.zeros_like(logp)
     if spec.kl_coef:
-        kl = algos.KL_ESTIMATORS[spec.kl_estimator](logp, mb["ref_logp"])
+        kl = algos.kl_penalty(logp, mb["ref_logp"], spec.kl_estimator)
         tok = tok + spec.kl_coef * kl
     if spec.entropy_coef:
         tok = tok - spec.entropy_coef * ent
