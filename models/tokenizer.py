@@ -92,7 +92,8 @@ class HFTokenizer:
 
 
 class CharTokenizer:
-    """Printable-ASCII character tokenizer with <pad>=0, <bos>=1, <eos>=2 and a plain chat format.
+    """Printable-ASCII character tokenizer with <pad>=0, <bos>=1, <eos>=2 and a compact chat format
+    ("Q: ...\nA: ").
 
     Unknown characters map to '?'. Used by the built-in tasks so the quickstart needs no download.
     """
@@ -115,9 +116,13 @@ class CharTokenizer:
         # ids past the vocabulary (models pad their embedding tables) decode to U+FFFD, as byte-level BPE does
         return "".join(self._itos[i] if i < V else "\ufffd" for i in ids if not (skip_special_tokens and i < n))
 
+    # Compact role tags: every prompt character is a token (and is repeated for each of a GRPO group's
+    # samples), so "Q:"/"A:" instead of "user:"/"assistant:" cuts the quickstart's training tokens ~1.6x.
+    ROLES = {"user": "Q", "assistant": "A", "system": "S"}
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant: " if add_generation_prompt else "")
+        text = "".join(f"{self.ROLES.get(m['role'], m['role'])}: {m['content']}\n" for m in messages)
+        return text + ("A: " if add_generation_prompt else "")
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:

@@ -163,7 +163,7 @@ def test_encode_prompts_with_chat_template():
     tok = CharTokenizer()
     rows = [{"prompt": "rev ab", "answer": "ba", "task": "reverse"}]
     (ids,) = encode_prompts(rows, tok)
-    assert tok.decode(ids) == "user: rev ab\nassistant: "
+    assert tok.decode(ids) == "Q: rev ab\nA: "
     assert tok.decode(encode_prompts(rows, tok, chat=False)[0]) == "rev ab"
 
 
@@ -172,7 +172,7 @@ def test_demonstrations_and_sft_batch():
     rows = list(PromptDataset.builtin(["copy", "add"], 4, 0))
     pairs = encode_demonstrations(rows, tok)
     for row, (p, r) in zip(rows, pairs):
-        assert tok.decode(p) == f"user: {row['prompt']}\nassistant: "
+        assert tok.decode(p) == f"Q: {row['prompt']}\nA: "
         assert r[-1] == tok.eos_ids[0] and tok.decode(r) == row["answer"]
     batch = sft_batch(pairs, pad_id=tok.pad_id)
     T = max(len(p) + len(r) for p, r in pairs)

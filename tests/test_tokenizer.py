@@ -51,7 +51,7 @@ def test_char_tokenizer_round_trip():
     tok = load_tokenizer("char")
     assert isinstance(tok, CharTokenizer)
     text = tok.apply_chat_template([{"role": "user", "content": "sum 12 30"}])
-    assert text == "user: sum 12 30\nassistant: "
+    assert text == "Q: sum 12 30\nA: "
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode([1, *tok.encode("ok"), 2]) == "ok"
     assert max(tok.encode(text)) < tok.vocab_size
