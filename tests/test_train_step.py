@@ -104,3 +104,12 @@ def test_config_error_stops_before_any_work(tmp_path):
     assert p.returncode == 2
     assert "algo.agg" in p.stderr and "token-mean" in p.stderr
     assert not run.exists()
+
+
+def test_row_bucket():
+    from jaxrl.train.batch import row_bucket
+
+    for n in range(1, 300):
+        b = row_bucket(n)
+        assert n <= b <= max(n * 1.25, n + 1) and row_bucket(b) == b
+    assert len({row_bucket(n) for n in range(33, 65)}) == 4

@@ -45,6 +45,13 @@ def token_weights(agg: str, lengths: np.ndarray, *, global_tokens: int, global_s
     raise ValueError(f"unknown aggregation {agg!r}")
 
 
+def row_bucket(n: int) -> int:
+    """Round a row count up to a multiple of 2^(bits(n)-3): at most 25% padding rows and 4 shapes per
+    octave (each shape is a compile), instead of up to 2x padding with power-of-two buckets."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-max(n, 1) // step) * step
+
+
 def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
     """First-fit decreasing: indices of the sequences in each row."""
     too_long = [n for n in lengths if n > pack_len]

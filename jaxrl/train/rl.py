@@ -17,9 +17,8 @@ from jaxrl import algos
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards.registry import reward_fn_for
 from jaxrl.rollout import Completion, RolloutService, SamplingParams
-from jaxrl.rollout.instance import bucket
 
-from .batch import Sample, pack, pack_rows, token_weights
+from .batch import Sample, pack, pack_rows, row_bucket, token_weights
 from .distributed import global_max, global_sum
 
 
@@ -79,7 +78,7 @@ def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, m
     per_proc = max(1, data // jax.process_count())
     multiple = per_proc * cfg.algo.micro_batches * cfg.algo.mini_batches
     rows = global_max(len(pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)))
-    rows = -(-bucket(rows) // multiple) * multiple     # power-of-two buckets: few shapes, few compiles
+    rows = -(-row_bucket(rows) // multiple) * multiple     # few shapes (compiles), little padding
     local = pack(samples, weights, pack_len, n_rows=rows)
     sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
     shape = (rows * jax.process_count(), pack_len)
