@@ -155,11 +155,23 @@ def test_bad_requests(weights):
         SamplingParams(temperature=-1)
 
 
-def test_persistent_compilation_cache_on_by_default(weights):
+def test_persistent_compilation_cache_on_by_default(weights, monkeypatch, tmp_path):
     import jax
 
-    RolloutService(CFG, weights, page_size=8, num_pages=8)
-    assert jax.config.jax_compilation_cache_dir
+    from jaxrl.runtime import enable_compilation_cache
+
+    monkeypatch.delenv("JAXRL_COMPILATION_CACHE", raising=False)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("JAXRL_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))
+        RolloutService(CFG, weights, page_size=8, num_pages=8)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        monkeypatch.setenv("JAXRL_COMPILATION_CACHE", "0")
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert enable_compilation_cache() is None and not jax.config.jax_compilation_cache_dir
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
 
 
 def test_pallas_kernels_in_the_engine_match_xla(weights, prompts):

@@ -67,6 +67,12 @@ class Sequence:
         return len(self.prompt) + len(self.out)
 
 
+def fine_bucket(n: int) -> int:
+    """Round up to a multiple of 2^(bits(n)-3): at most 25% padding and 4 shapes (compiles) per octave."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-max(n, 1) // step) * step
+
+
 def bucket(n: int, cap: int | None = None) -> int:
     b = 1 << max(0, (n - 1).bit_length())
     return b if cap is None else min(b, max(cap, n))
@@ -206,7 +212,9 @@ class Instance:
         if not self.running:
             return None
         batch = list(self.running)
-        rows, mp = bucket(len(batch)), bucket(max(len(s.pages) for s in batch))
+        # Batch rows: power-of-two buckets. Page-table width: finer buckets, because the XLA decode path
+        # gathers (and attends over) every page slot of every row, each layer, each step.
+        rows, mp = bucket(len(batch)), fine_bucket(max(len(s.pages) for s in batch))
         tokens, pos = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         table = np.zeros((rows, mp), np.int32)
         for i, s in enumerate(batch):

@@ -20,6 +20,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxrl.rollout.instance import fine_bucket
+
 
 @dataclasses.dataclass
 class Sample:
@@ -46,10 +48,8 @@ def token_weights(agg: str, lengths: np.ndarray, *, global_tokens: int, global_s
 
 
 def row_bucket(n: int) -> int:
-    """Round a row count up to a multiple of 2^(bits(n)-3): at most 25% padding rows and 4 shapes per
-    octave (each shape is a compile), instead of up to 2x padding with power-of-two buckets."""
-    step = 1 << max(0, n.bit_length() - 3)
-    return -(-max(n, 1) // step) * step
+    """Training rows use the rollout scheduler's fine buckets (<= 25% padding, 4 shapes per octave)."""
+    return fine_bucket(n)
 
 
 def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
