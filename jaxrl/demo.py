@@ -134,10 +134,10 @@ def run(cfg: DemoConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(DemoConfig, argv, default_yaml=CONFIGS_DIR / "demo.yaml", prog="python -m jaxrl.demo")
-    import jax
+    from jaxrl.runtime import request_cpu_devices
 
     # Fake CPU devices so the 8-device layouts run on a laptop; no effect on GPU/TPU backends.
-    jax.config.update("jax_num_cpu_devices", max(cfg.mesh.train.num_devices, cfg.mesh.rollout_devices))
+    request_cpu_devices(max(cfg.mesh.train.num_devices, cfg.mesh.rollout_devices))
     return 0 if run(cfg)["ok"] else 1
 
 

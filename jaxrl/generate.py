@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrl.rollout import RolloutService, SamplingParams
 
     e, s = cfg.engine, cfg.sampling
-    jax.config.update("jax_num_cpu_devices", e.tp * e.instances)   # fake devices on a CPU host only
+    from jaxrl.runtime import request_cpu_devices
+
+    request_cpu_devices(e.tp * e.instances)   # fake devices on a CPU host only
     tok_path = cfg.tokenizer or cfg.model.hf_path or "char"
     tokenizer = load_tokenizer(tok_path)
     rows = read_prompts(cfg.input, tokenizer, cfg.chat)

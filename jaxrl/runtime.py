@@ -29,3 +29,17 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return str(path)
+
+
+def request_cpu_devices(n: int) -> None:
+    """Ask for `n` fake CPU devices (multi-device layouts on a laptop; no effect on GPU/TPU backends).
+
+    JAX only accepts this before its backend starts. When called later (e.g. a second `main()` in the
+    same process), the devices already present are used if there are enough; otherwise a clear error.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        if jax.device_count() < n:
+            raise SystemExit(f"need {n} devices but JAX already started with {jax.device_count()}; "
+                             "start a fresh process") from None

@@ -50,9 +50,10 @@ def _metrics(run_dir):
 
 
 def test_run_dir_contents(tmp_path):
-    _train(tmp_path, "steps=2", "save_every=1", "profile_steps=1:2")
+    _train(tmp_path, "steps=2", "save_every=1", "profile_steps=1:2", "algo.kl_coef=0.05")   # + reference policy
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
+    assert abs(rows[0]["kl"]) < 1e-9 and rows[1]["kl"] > 1e3 * max(abs(rows[0]["kl"]), 1e-13)  # ref == policy, then KL grows
     for key in ("reward_mean", "response_len_mean", "response_len_max", "step_seconds", "pass_rate", "kl",
                 "entropy", "clip_frac", "grad_norm", "lr", "tokens_per_s", "rollout_s", "train_s"):
         assert key in rows[0]

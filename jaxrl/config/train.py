@@ -63,6 +63,9 @@ class AlgoSection(Section):
             check_float(name, getattr(self, name))
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError("dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}")
+        if self.kl_in_reward:
+            raise ConfigError("kl_in_reward", "the KL reward penalty is not wired into the trainer yet (jaxrl.algos "
+                              "supports it: outcome_token_rewards/reinforce_pp take kl=); use kl_coef as a loss term")
         if self.group_size < 2 and self.advantage in ("grpo", "dr_grpo", "rloo"):
             raise ConfigError("group_size", f"{self.advantage} needs group_size >= 2")
 

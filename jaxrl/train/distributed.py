@@ -31,7 +31,9 @@ def settings(d: DistributedSection) -> tuple[str | None, int, int]:
 
 def initialize(d: DistributedSection, local_cpu_devices: int) -> None:
     coord, n, pid = settings(d)
-    jax.config.update("jax_num_cpu_devices", local_cpu_devices)   # fake devices; no effect on GPU/TPU
+    from jaxrl.runtime import request_cpu_devices
+
+    request_cpu_devices(local_cpu_devices)   # fake devices; no effect on GPU/TPU
     if n > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coord, num_processes=n, process_id=pid,

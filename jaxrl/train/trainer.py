@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -68,7 +69,7 @@ class Trainer:
         temperature = cfg.rollout.temperature or 1.0
         a = cfg.algo
         self.spec = LossSpec(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                             kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
+                             kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                              entropy_coef=a.entropy_coef, temperature=temperature)
         self.train_step = make_train_step(self.model_cfg, self.spec, self.tx, a.micro_batches)
         self.logprob_fn = make_logprob_fn(self.model_cfg, temperature)
@@ -221,6 +222,10 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         try:
             self.warm_start()
+            if self.cfg.algo.kl_coef and self.ref_params is None:
+                # The reference policy: the weights RL starts from (after the warm start). A copy, because
+                # the train step donates (and so deletes) the live params.
+                self.ref_params = jax.tree.map(jnp.copy, self.params)
             if not self.resumed and self.step == 0:
                 self._save()
             bar = tqdm(total=cfg.steps, initial=self.step, desc="rl", disable=not self.is_main)
