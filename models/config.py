@@ -15,7 +15,6 @@ hidden/heads = 64 for the 0.6B model.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

@@ -252,7 +252,7 @@ class Instance:
         kv = None
         if s.params.return_kv:
             n = len(s) - 1
-            k, v = model_step.export_kv(self.k_pages, self.v_pages, jnp.asarray(s.pages, jnp.int32), n)
+            k, v = model_step.export_kv(self.k_pages, self.v_pages, jnp.asarray(s.pages, jnp.int32))
             kv = (np.asarray(k)[:, :n], np.asarray(v)[:, :n])
         self.pool.free(s.pages)
         s.pages = []

@@ -125,8 +125,7 @@ def copy_page(k_pages, v_pages, src, dst):
 
 
 @jax.jit
-def export_kv(k_pages, v_pages, page_ids, length):
+def export_kv(k_pages, v_pages, page_ids):
     """Contiguous per-layer K, V [layers, len(page_ids) * page_size, K, D] of one sequence (caller trims)."""
-    del length
     Lr, _, ps, K, D = k_pages.shape
     return (k_pages[:, page_ids].reshape(Lr, -1, K, D), v_pages[:, page_ids].reshape(Lr, -1, K, D))

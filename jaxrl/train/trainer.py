@@ -12,7 +12,6 @@ Every stage lives in its own module; this file only orders them, times them and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
