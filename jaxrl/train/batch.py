@@ -71,9 +71,12 @@ def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
     return rows
 
 
-def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None = None) -> dict[str, np.ndarray]:
-    """Pack into `n_rows` rows (default: as few as fit) of `pack_len` tokens."""
-    rows = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
+def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None = None,
+         rows: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Pack into `n_rows` rows (default: as few as fit) of `pack_len` tokens; `rows` reuses a
+    `pack_rows` assignment the caller already computed."""
+    if rows is None:
+        rows = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
     n_rows = len(rows) if n_rows is None else n_rows
     if n_rows < len(rows):
         raise ValueError(f"{len(samples)} sequences need {len(rows)} rows of {pack_len}, only {n_rows} given")

@@ -77,9 +77,10 @@ def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, m
     data = mesh.shape["dp"] * mesh.shape["fsdp"]
     per_proc = max(1, data // jax.process_count())
     multiple = per_proc * cfg.algo.micro_batches * cfg.algo.mini_batches
-    rows = global_max(len(pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)))
+    assignment = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
+    rows = global_max(len(assignment))
     rows = -(-row_bucket(rows) // multiple) * multiple     # few shapes (compiles), little padding
-    local = pack(samples, weights, pack_len, n_rows=rows)
+    local = pack(samples, weights, pack_len, n_rows=rows, rows=assignment)
     sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
     shape = (rows * jax.process_count(), pack_len)
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}

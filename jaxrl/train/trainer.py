@@ -147,13 +147,13 @@ class Trainer:
             raise SystemExit(f"warm_start.batch_size={w.batch_size} must divide over {jax.process_count()} processes")
         loader = DataLoader(self.dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
                             process_count=jax.process_count(), seed=self.cfg.seed + 1)
+        sft_cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(  # NLL: token-mean, one update per batch
+            self.cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1))
         bar = tqdm(range(w.steps), desc="warm start", disable=not self.is_main)
         for i in bar:
             pairs = encode_demonstrations(next(loader), self.tokenizer, self.cfg.data.chat)
             samples = [Sample(p, r, 0.0) for p, r in pairs]
-            batch = rl.global_batch(samples, dataclasses.replace(self.cfg, algo=dataclasses.replace(
-                self.cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1)), self.mesh, self.pack_len,
-                self.cfg.rollout.max_new_tokens)
+            batch = rl.global_batch(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens)
             self.params, opt, m = step_fn(self.params, opt, batch)
             if i % 10 == 0 or i == w.steps - 1:
                 nll = float(m["nll"])
