@@ -35,16 +35,16 @@ def make_case(ratio, page_size, dtype=jnp.float32, seed=0):
     past_end = np.arange(S)[None, :] >= lengths[:, None]
     k[past_end], v[past_end] = 40.0, 1e3  # garbage a leak would expose
     num_pages = B * MAX_PAGES + 3
-    k_pages = np.full((num_pages, page_size, K, D), 40.0)
-    v_pages = np.full((num_pages, page_size, K, D), -1e3)
+    k_pages = np.full((num_pages, K, page_size, D), 40.0)   # head-major pages
+    v_pages = np.full((num_pages, K, page_size, D), -1e3)
     ids = rng.permutation(num_pages)
     table = np.zeros((B, MAX_PAGES), np.int32)
     for b in range(B):
         for p in range(MAX_PAGES):
             if p * page_size < lengths[b]:  # a page the sequence uses
                 page = ids[b * MAX_PAGES + p]
-                k_pages[page] = k[b, p * page_size:(p + 1) * page_size]
-                v_pages[page] = v[b, p * page_size:(p + 1) * page_size]
+                k_pages[page] = k[b, p * page_size:(p + 1) * page_size].swapaxes(0, 1)
+                v_pages[page] = v[b, p * page_size:(p + 1) * page_size].swapaxes(0, 1)
             else:  # unused entry: page 0 (maybe another sequence's) or a garbage page
                 page = 0 if b % 2 else ids[-1 - p % 3]
             table[b, p] = page
@@ -110,7 +110,7 @@ def test_split_k_merge_is_exact(impl, ratio, page_size):
 def test_head_sharding_concatenates(impl):
     q, kp, vp, table, lengths, _, _ = make_case(2, 4, seed=3)
     G = q.shape[1] // KV_HEADS
-    shards = [run(impl, q[:, h * G:(h + 1) * G], kp[:, :, h:h + 1], vp[:, :, h:h + 1], table, lengths)
+    shards = [run(impl, q[:, h * G:(h + 1) * G], kp[:, h:h + 1], vp[:, h:h + 1], table, lengths)
               for h in range(KV_HEADS)]
     got = tuple(jnp.concatenate(parts, axis=1) for parts in zip(*shards))
     assert_partials_close(got, run(impl, q, kp, vp, table, lengths), lengths, TOL[jnp.float32])
@@ -159,7 +159,7 @@ def test_shape_errors_name_the_shapes():
     with pytest.raises(ValueError, match=r"query heads 3 .*q\(6, 3, 16\)"):
         paged_decode_attention(q[:, :3], kp, vp, table, lengths)  # 3 heads over 2 kv heads
     with pytest.raises(ValueError, match=r"k_pages and v_pages"):
-        paged_decode_attention(q, kp, vp[:, :2], table, lengths)
+        paged_decode_attention(q, kp, vp[:, :, :2], table, lengths)
     with pytest.raises(ValueError, match=r"batch size 6"):
         paged_decode_attention(q, kp, vp, table[:5], lengths)
     with pytest.raises(ValueError, match="int32"):

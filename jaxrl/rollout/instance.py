@@ -88,10 +88,10 @@ class Instance:
         self.impl = attention_impl
         tp = mesh.shape["tp"]
         kv_axis = "tp" if cfg.num_kv_heads % tp == 0 else None   # replicated when tp > kv heads
-        self.kv_sharding = NamedSharding(mesh, P(None, None, None, kv_axis, None))
+        self.kv_sharding = NamedSharding(mesh, P(None, None, kv_axis, None, None))
         self.replicated = NamedSharding(mesh, P())
         dtype = kv_dtype or jax.tree.leaves(weights)[0].dtype
-        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
         self.k_pages = jax.device_put(jnp.zeros(shape, dtype), self.kv_sharding)
         self.v_pages = jax.device_put(jnp.zeros(shape, dtype), self.kv_sharding)
         self.waiting: deque[Sequence] = deque()

@@ -1,6 +1,8 @@
 """Prefill and decode steps over a paged KV cache, built from the shared layer functions.
 
-Cache layout (one instance): `k_pages`, `v_pages` [layers, num_pages, page_size, kv_heads, head_dim].
+Cache layout (one instance): `k_pages`, `v_pages` [layers, num_pages, kv_heads, page_size, head_dim]:
+head-major inside a page, so each kv head's keys of a sequence are contiguous once its pages are
+gathered, and decode attention runs as batched matrix-vector products with no transpose.
 Page 0 is a scratch page: padding rows of a batch bucket write there and read nothing, so buckets
 need no special-casing inside the compiled step.
 
@@ -8,8 +10,8 @@ Both steps sample on the device (`sampling.sample`) and return only the sampled 
 log-probs, so no [batch, vocab] logits cross to the host. They are jitted with the cache donated;
 jax's executable cache keys them by (shapes, shardings) = (instance layout, batch bucket, chunk).
 Attention: prefill chunks use `kernels.attention` with `q_offset` over the gathered pages; decode
-gathers each sequence's pages and attends with `kv_lengths` (the XLA path; the Pallas paged decode
-kernel plugs in here on GPU).
+uses `kernels.paged_decode_attention` (its XLA path gathers the pages; its Pallas kernel, for GPU,
+reads the pool in place).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import attention, normalize, paged_decode_attention
+from kernels.paged_attention import gather_pages
 from models import ModelConfig, Weights, lm_head
 from models import layers as L
 from models.forward import inv_freq
@@ -29,9 +32,7 @@ from .sampling import sample
 
 def _gather_pages(pages, layer, page_table):
     """[B, max_pages] page ids -> contiguous keys [B, max_pages * page_size, K, D] of one layer."""
-    g = pages[layer][page_table]  # [B, MP, ps, K, D]
-    B, MP, ps, K, D = g.shape
-    return g.reshape(B, MP * ps, K, D)
+    return gather_pages(pages[layer], page_table).swapaxes(1, 2)
 
 
 def _decoder(weights: Weights, cfg: ModelConfig, tokens, positions, k_pages, v_pages, attend):
@@ -71,7 +72,7 @@ def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_v
     chunk ends the prompt). Returns (tokens [B], logprobs [B], k_pages, v_pages).
     """
     B, C = tokens.shape
-    ps = k_pages.shape[2]
+    ps = k_pages.shape[3]
     pos = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]            # [B, C]
     real = jnp.arange(C)[None, :] < n_valid[:, None]
     page = jnp.where(real, jnp.take_along_axis(page_table, pos // ps, axis=1, mode="clip"), 0)
@@ -79,8 +80,8 @@ def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_v
     kv_len = start + n_valid
 
     def attend(l, q, k, v, k_pages, v_pages):
-        k_pages = k_pages.at[l, page, slot].set(k.astype(k_pages.dtype))
-        v_pages = v_pages.at[l, page, slot].set(v.astype(v_pages.dtype))
+        k_pages = k_pages.at[l, page, :, slot].set(k.astype(k_pages.dtype))
+        v_pages = v_pages.at[l, page, :, slot].set(v.astype(v_pages.dtype))
         kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
         o = attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True, implementation=impl)
         return o, k_pages, v_pages
@@ -94,24 +95,20 @@ def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, 
                 impl: str = "xla"):
     """One token for each of B sequences: tokens [B] at positions [B]; page_table [B, MP].
 
-    Padding rows point their page table at the scratch page 0. impl="xla" gathers each sequence's pages
-    and attends with `kernels.attention` (the CPU default); impl="pallas" runs the paged decode kernel on
-    the page pool directly (GPU; interpret mode on the CPU). Returns (tokens [B], logprobs [B], k_pages,
-    v_pages).
+    Padding rows point their page table at the scratch page 0. `impl` picks `paged_decode_attention`'s
+    implementation: "xla" (the CPU default) or "pallas" (GPU; interpret mode on the CPU). Returns
+    (tokens [B], logprobs [B], k_pages, v_pages).
     """
-    ps = k_pages.shape[2]
+    ps = k_pages.shape[3]
     page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
     slot = positions % ps
 
     def attend(l, q, k, v, k_pages, v_pages):
-        k_pages = k_pages.at[l, page, slot].set(k[:, 0].astype(k_pages.dtype))
-        v_pages = v_pages.at[l, page, slot].set(v[:, 0].astype(v_pages.dtype))
-        if impl == "pallas":
-            o, lse_l, _ = paged_decode_attention(q[:, 0], k_pages[l], v_pages[l], page_table, positions + 1,
-                                                 implementation="pallas")
-            return normalize(o, lse_l, dtype=q.dtype)[:, None], k_pages, v_pages
-        kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
-        return attention(q, kk, vv, kv_lengths=positions + 1, causal=False), k_pages, v_pages
+        k_pages = k_pages.at[l, page, :, slot].set(k[:, 0].astype(k_pages.dtype))
+        v_pages = v_pages.at[l, page, :, slot].set(v[:, 0].astype(v_pages.dtype))
+        o, lse_l, _ = paged_decode_attention(q[:, 0], k_pages[l], v_pages[l], page_table, positions + 1,
+                                             implementation=impl)
+        return normalize(o, lse_l, dtype=q.dtype)[:, None], k_pages, v_pages
 
     h, k_pages, v_pages = _decoder(weights, cfg, tokens[:, None], positions[:, None], k_pages, v_pages, attend)
     tok, logp = sample(_logits(weights, h[:, 0]), sampling)
@@ -127,5 +124,6 @@ def copy_page(k_pages, v_pages, src, dst):
 @jax.jit
 def export_kv(k_pages, v_pages, page_ids):
     """Contiguous per-layer K, V [layers, len(page_ids) * page_size, K, D] of one sequence (caller trims)."""
-    Lr, _, ps, K, D = k_pages.shape
-    return (k_pages[:, page_ids].reshape(Lr, -1, K, D), v_pages[:, page_ids].reshape(Lr, -1, K, D))
+    Lr, _, K, ps, D = k_pages.shape
+    flat = lambda pages: pages[:, page_ids].transpose(0, 1, 3, 2, 4).reshape(Lr, -1, K, D)  # noqa: E731
+    return flat(k_pages), flat(v_pages)

@@ -1,0 +1,94 @@
+"""The on-device sampler: argmax, inverse-CDF draws, top-k/top-p truncation, log-probs, seeds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.rollout.sampling import SamplingBatch, SamplingParams, _argmax, inverse_cdf, sample
+
+V = 300  # spans three 128-wide blocks plus a ragged tail
+
+
+def batch(rows, bucket=None):
+    sb = SamplingBatch.build(rows, bucket or len(rows))
+    return jax.tree.map(jnp.asarray, sb)
+
+
+def test_argmax_matches_jnp_with_ties_first():
+    x = np.random.default_rng(0).normal(size=(5, V)).astype(np.float32)
+    x[1, [7, 250]] = 10.0  # a tie: the first index wins, as in jnp.argmax
+    x[2, :] = 0.0
+    np.testing.assert_array_equal(_argmax(jnp.asarray(x)), jnp.argmax(x, axis=-1))
+
+
+def test_inverse_cdf_follows_the_weights_and_skips_zeros():
+    rng = np.random.default_rng(1)
+    w = rng.random(V).astype(np.float32)
+    w[rng.random(V) < 0.5] = 0.0
+    w[-3:] = 0.0  # zero tail: rounding must never land there
+    n = 20000
+    u = (np.arange(n, dtype=np.float32) + 0.5) / n          # a deterministic uniform grid
+    idx = np.asarray(inverse_cdf(jnp.broadcast_to(jnp.asarray(w), (n, V)), jnp.asarray(u)))
+    assert np.all(w[idx] > 0)
+    freq = np.bincount(idx, minlength=V) / n
+    np.testing.assert_allclose(freq, w / w.sum(), atol=2.0 / n)
+    edges = inverse_cdf(jnp.asarray(np.stack([w, w])), jnp.asarray([0.0, np.nextafter(1.0, 0.0)], jnp.float32))
+    assert int(edges[0]) == int(np.flatnonzero(w)[0]) and int(edges[1]) == int(np.flatnonzero(w)[-1])
+
+
+def draws(logits, params, n):
+    """n draws (seeds 0..n-1, one batch) of one logits row under `params`."""
+    sb = batch([(params, seed, 0) for seed in range(n)])
+    return sample(jnp.broadcast_to(logits, (n, V)), sb)
+
+
+def test_sampled_frequencies_and_logprobs():
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=V) * 2, jnp.float32)
+    p = jax.nn.softmax(logits / 0.7)
+    tok, logp = draws(logits, SamplingParams(temperature=0.7), 4000)
+    np.testing.assert_allclose(logp, jnp.log(p)[tok], atol=1e-5)
+    freq = np.bincount(np.asarray(tok), minlength=V) / 4000
+    p = np.asarray(p)
+    top = np.argsort(-p)[:10]                              # the likely tokens, counts well above noise
+    assert np.all(np.abs(freq[top] - p[top]) <= 4 * np.sqrt(p[top] / 4000) + 1e-3)  # 4 sigma, fixed seeds
+
+
+def test_top_k_and_top_p_truncate_but_logprobs_do_not():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=V) * 3, jnp.float32)
+    order = np.argsort(-np.asarray(logits))
+    tok, logp = draws(logits, SamplingParams(temperature=1.0, top_k=5), 2000)
+    assert set(np.asarray(tok).tolist()) <= set(order[:5].tolist())
+    assert len(set(np.asarray(tok).tolist())) == 5
+    np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[tok], atol=1e-5)  # before truncation
+
+    p = np.asarray(jax.nn.softmax(logits))[order]
+    n_keep = int(np.sum(np.cumsum(p) - p < 0.8))             # smallest prefix reaching 0.8 mass
+    tok, _ = draws(logits, SamplingParams(temperature=1.0, top_p=0.8), 2000)
+    assert set(np.asarray(tok).tolist()) <= set(order[:n_keep].tolist())
+
+
+def test_mixed_batch_rows_keep_their_own_params():
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(4, V)) * 3, jnp.float32)
+    rows = [(SamplingParams(temperature=0.0), 0, 0), (SamplingParams(temperature=1.0, top_k=1), 1, 0),
+            (SamplingParams(temperature=1.0), 2, 0), (SamplingParams(temperature=1.0, top_p=0.5), 3, 0)]
+    sb = batch(rows)
+    assert sb.truncate
+    tok, logp = sample(logits, sb)
+    best = np.asarray(jnp.argmax(logits, axis=-1))
+    assert tok[0] == best[0] and tok[1] == best[1]
+    np.testing.assert_allclose(logp, jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)[:, 0],
+                               atol=1e-5)
+    # The untruncated row draws the same token whether or not the batch compiles the truncation.
+    alone, _ = sample(logits[2:3], batch(rows[2:3]))
+    assert not batch(rows[2:3]).truncate and int(alone[0]) == int(tok[2])
+
+
+@pytest.mark.parametrize("bucket", [1, 4])
+def test_same_seed_and_step_same_token_anywhere_in_the_batch(bucket):
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=V), jnp.float32)
+    params = SamplingParams(temperature=1.0)
+    want = int(sample(logits[None], batch([(params, 42, 3)]))[0][0])
+    others = [(params, s, 0) for s in range(bucket - 1)]
+    tok, _ = sample(jnp.broadcast_to(logits, (bucket, V)), batch(others + [(params, 42, 3)]))
+    assert int(tok[-1]) == want
