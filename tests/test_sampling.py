@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rollout.sampling import SamplingBatch, SamplingParams, _argmax, inverse_cdf, sample
+from jaxrl.rollout.sampling import (SamplingBatch, SamplingParams, _argmax, _ordered, inverse_cdf, sample,
+                                    truncation_threshold)
 
 V = 300  # spans three 128-wide blocks plus a ragged tail
 
@@ -92,3 +93,34 @@ def test_same_seed_and_step_same_token_anywhere_in_the_batch(bucket):
     others = [(params, s, 0) for s in range(bucket - 1)]
     tok, _ = sample(jnp.broadcast_to(logits, (bucket, V)), batch(others + [(params, 42, 3)]))
     assert int(tok[-1]) == want
+
+
+def kept_by_sort(x, k, p):
+    """Oracle: sort descending, keep the top k and the smallest prefix whose preceding mass is < p."""
+    order = np.argsort(-x, kind="stable")
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    keep = np.zeros(len(x), bool)
+    n = len(x) if k == 0 else min(k, len(x))
+    before = np.cumsum(probs[order]) - probs[order]
+    n = min(n, max(1, int(np.sum(before < p)))) if p < 1 else n
+    keep[order[:n]] = True
+    return keep
+
+
+@pytest.mark.parametrize("k,p", [(0, 0.9), (5, 1.0), (40, 0.5), (1, 0.99), (0, 0.999), (500, 0.3)])
+def test_truncation_threshold_matches_sorting(k, p):
+    x = np.random.default_rng(6).normal(size=(3, V)).astype(np.float32) * np.array([[0.5], [2.0], [8.0]], np.float32)
+    x[0, :10] = -x[0, :10]  # negative and positive logits both near the boundary
+    probs = jax.nn.softmax(jnp.asarray(x), axis=-1)
+    thr = truncation_threshold(jnp.asarray(x), probs, jnp.full((3,), k, jnp.int32), jnp.full((3,), p, jnp.float32))
+    kept = np.asarray(_ordered(jnp.asarray(x)) >= thr)
+    for row in range(3):
+        np.testing.assert_array_equal(kept[row], kept_by_sort(x[row].astype(np.float64), k, p))
+
+
+def test_truncation_keeps_boundary_ties_together():
+    x = jnp.asarray([[3.0, 1.0, 1.0, 1.0, -2.0]], jnp.float32)
+    probs = jax.nn.softmax(x, axis=-1)
+    thr = truncation_threshold(x, probs, jnp.asarray([2], jnp.int32), jnp.asarray([1.0], jnp.float32))
+    assert np.asarray(_ordered(x) >= thr).tolist() == [[True, True, True, True, False]]
