@@ -32,7 +32,7 @@ def prompts():
 def reference(weights, prompts):
     """Static layout, no sharing, big pool: the unoptimised twin every variant must equal."""
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
-    return generate(CFG, weights, prompts, params, page_size=8, num_pages=64, prefix_sharing=False)
+    return generate(CFG, weights, prompts, params, page_size=8, num_pages=64, prefix_sharing=False, overlap=False)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
@@ -102,14 +102,19 @@ def test_update_weights_from_training_layout(weights, prompts, reference):
     assert [o.tokens for o in svc.run()] == [r.tokens for r in reference]
 
 
-def test_abort_frees_pages(weights, prompts):
-    svc = RolloutService(CFG, weights, page_size=8, num_pages=64)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_pages(weights, prompts, overlap):
+    svc = RolloutService(CFG, weights, page_size=8, num_pages=64, overlap=overlap)
     ids = [svc.add(p, SamplingParams(max_new_tokens=50, temperature=0.0))[0] for p in prompts]
     svc.step()
+    if overlap:        # step 1 is read only after step 2 is dispatched, which reserved position 16's page
+        assert svc.stats()[0]["generated_tokens"] == 0
+        svc.step()
     before = svc.stats()[0]["pages_used"]
-    partial = svc.abort(ids[2])
+    partial = svc.abort(ids[2])             # with overlap, its in-flight token is discarded
     assert partial.finish_reason == "abort" and len(partial.tokens) == 1
-    assert svc.stats()[0]["pages_used"] == before - 2  # 16 prompt tokens on pages of 8 (next page comes at launch)
+    # 16 prompt tokens on pages of 8; with overlap the page of position 16 is already held
+    assert svc.stats()[0]["pages_used"] == before - (3 if overlap else 2)
     assert svc.abort(ids[2]) is None
     assert ids[2] not in {c.request_id for c in svc.stream()}
     assert svc.stats()[0]["pages_used"] == 0
@@ -143,6 +148,31 @@ def test_stop_tokens_and_kv_export(weights, prompts, reference):
     k, v = out.kv
     n = len(prompts[1]) + len(out.tokens) - 1
     assert k.shape == (CFG.num_layers, n, CFG.num_kv_heads, CFG.head_dim) and v.shape == k.shape
+
+
+def test_overlap_equals_step_by_step(weights, prompts):
+    """Dispatching step n+1 before reading step n changes nothing: stops mid-flight, preemption (which
+    drains), shared prompts, sampling, KV export."""
+    def run(overlap):
+        svc = RolloutService(CFG, weights, page_size=8, num_pages=12, overlap=overlap)
+        probe = generate(CFG, weights, prompts[:1], SamplingParams(max_new_tokens=12, temperature=1.0, seed=5),
+                         page_size=8, num_pages=64, overlap=False)[0].tokens
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, n=2, stop_token_ids=tuple(probe[3:5]),
+                                return_kv=True)
+        for p in prompts:
+            svc.add(p, params)
+        return svc.run(), svc.stats()[0]
+
+    (plain, plain_stats), (fast, fast_stats) = run(False), run(True)
+    assert fast_stats["preemptions"] > 0 and fast_stats["overlapped_steps"] > 0
+    assert plain_stats["overlapped_steps"] == 0
+    assert {o.finish_reason for o in fast} == {"stop", "length"}
+    for a, b in zip(plain, fast):
+        assert (a.request_id, a.tokens, a.finish_reason) == (b.request_id, b.tokens, b.finish_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_ATOL_F32)
+        np.testing.assert_allclose(a.kv[0], b.kv[0], atol=1e-5)
+        np.testing.assert_allclose(a.kv[1], b.kv[1], atol=1e-5)
+    assert fast_stats["pages_used"] == 0
 
 
 def test_bad_requests(weights):

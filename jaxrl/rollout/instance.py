@@ -11,6 +11,14 @@ Continuous batching, per `launch()`:
 `collect()` reads the sampled tokens back, appends them and retires finished sequences at once.
 `launch` never blocks on device results, so a service dispatches every instance before collecting.
 
+Overlap (default): step n+1 is dispatched before step n's tokens are read. Its input tokens are step
+n's device outputs (`model_step.feed_tokens`), its pages are reserved one position ahead, and the host
+reads step n while the device runs n+1, so the host's scheduling time hides behind device time. A
+sequence that stops at step n has computed one extra token in n+1; it is discarded (its K/V went to the
+sequence's own page, freed afterwards; the device orders the later reuse). Sequences whose in-flight
+token ends them by length are left out of n+1. Preemption drains the in-flight step first, so victims
+never have unread tokens. `overlap=False` reads every step before the next dispatch.
+
 Simplification (stated): prefill runs to completion inside `launch` before the decode dispatch
 rather than being mixed into decode batches chunk by chunk.
 """
@@ -58,6 +66,8 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0                     # positions whose K/V are in the cache
     preemptions: int = 0
+    pending: int = 0                      # tokens dispatched but not yet read back (0 or 1)
+    done: bool = False                    # retired or aborted: unread tokens are discarded
 
     @property
     def tokens(self) -> list[int]:
@@ -81,11 +91,11 @@ def bucket(n: int, cap: int | None = None) -> int:
 class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
                  max_batch: int = 64, prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True,
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", overlap: bool = True):
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.pool = PagePool(num_pages, page_size)
         self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
-        self.impl = attention_impl
+        self.impl, self.overlap = attention_impl, overlap
         tp = mesh.shape["tp"]
         kv_axis = "tp" if cfg.num_kv_heads % tp == 0 else None   # replicated when tp > kv heads
         self.kv_sharding = NamedSharding(mesh, P(None, None, kv_axis, None, None))
@@ -97,6 +107,10 @@ class Instance:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions, self.generated, self.busy_s = 0, 0, 0.0
+        self._inflight: deque = deque()   # dispatched decode steps, oldest first (at most 2)
+        self._dispatched = False           # whether the latest launch dispatched a step
+        self._ready: list[Completion] = []  # completions found while draining inside launch
+        self.overlapped = 0                 # steps dispatched while the previous one was still unread
 
     # ------------------------------------------------------------------ requests
     def add(self, seqs: list[Sequence]):
@@ -112,7 +126,7 @@ class Instance:
                 if s.rid == rid:
                     q.remove(s)
                     self.pool.free(s.pages)
-                    s.pages = []
+                    s.pages, s.done = [], True
                     return s
         return None
 
@@ -121,7 +135,7 @@ class Instance:
         return sum(len(s) for s in itertools.chain(self.waiting, self.running))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight or self._ready)
 
     # ------------------------------------------------------------------ scheduling
     def _admit(self) -> list[list[Sequence]]:
@@ -187,11 +201,22 @@ class Instance:
         self.waiting.appendleft(victim)
         return victim
 
+    def _next_len(self, s: Sequence) -> int:
+        """Tokens of `s` once its in-flight token lands (the next step feeds position this - 1)."""
+        return len(s) + s.pending
+
+    def _decodes_next(self, s: Sequence) -> bool:
+        return len(s.out) + s.pending < s.params.max_new_tokens
+
     def _ensure_pages(self):
+        short = sum(max(0, self.pool.pages_for(self._next_len(s)) - len(s.pages))
+                    for s in self.running if self._decodes_next(s))
+        if short > self.pool.available and self._inflight:
+            self._drain()                  # preemption only ever sees sequences with nothing in flight
         i = 0
         while i < len(self.running):
             s = self.running[i]
-            while self.pool.pages_for(len(s)) > len(s.pages):
+            while self._decodes_next(s) and self.pool.pages_for(self._next_len(s)) > len(s.pages):
                 if self.pool.available == 0:
                     if self._preempt() is s:
                         break
@@ -200,8 +225,13 @@ class Instance:
             else:
                 i += 1
 
-    def launch(self):
-        """Admit, prefill, dispatch one decode step. Returns a handle for `collect` (None if idle)."""
+    def _drain(self):
+        while self._inflight:
+            self._ready += self._read(self._inflight.popleft())
+
+    def launch(self) -> bool:
+        """Admit, prefill, dispatch one decode step (never waits for the device). Returns whether a
+        step was dispatched."""
         t0 = time.perf_counter()
         for group in self._admit():
             self._prefill(group[:1])
@@ -209,34 +239,56 @@ class Instance:
                 self._fork(group)
             self.running.extend(group)
         self._ensure_pages()
-        if not self.running:
-            return None
-        batch = list(self.running)
+        batch = [s for s in self.running if self._decodes_next(s)]
+        self._dispatched = bool(batch)
+        if not batch:
+            return False
         # Batch rows: power-of-two buckets. Page-table width: finer buckets, because the XLA decode path
         # gathers (and attends over) every page slot of every row, each layer, each step.
         rows, mp = bucket(len(batch)), fine_bucket(max(len(s.pages) for s in batch))
-        tokens, pos = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        tokens, pos, src = np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
         table = np.zeros((rows, mp), np.int32)
+        prev_rows = {id(s): i for i, s in enumerate(self._inflight[-1][0])} if self._inflight else {}
         for i, s in enumerate(batch):
-            tokens[i], pos[i] = s.tokens[-1], len(s) - 1
+            pos[i] = self._next_len(s) - 1
+            if s.pending:
+                src[i] = prev_rows[id(s)]   # the token is step n's output, still on the device
+            else:
+                tokens[i] = s.tokens[-1]
             table[i, :len(s.pages)] = s.pages
-        sb = SamplingBatch.build([(s.params, s.seed, len(s.out)) for s in batch], rows)
+        sb = SamplingBatch.build([(s.params, s.seed, len(s.out) + s.pending) for s in batch], rows)
         put = lambda x: jax.device_put(x, self.replicated)
+        tok_in = put(tokens)
+        if (src >= 0).any():
+            tok_in = model_step.feed_tokens(self._inflight[-1][1], put(src), tok_in)
         tok, logp, self.k_pages, self.v_pages = model_step.decode_step(
-            self.weights, self.cfg, self.k_pages, self.v_pages, put(tokens), put(pos), put(table),
+            self.weights, self.cfg, self.k_pages, self.v_pages, tok_in, put(pos), put(table),
             jax.tree.map(put, sb), impl=self.impl)
+        for s in batch:
+            s.pending += 1
+        self.overlapped += bool(self._inflight)
+        self._inflight.append((batch, tok, logp))
         self.busy_s += time.perf_counter() - t0
-        return batch, tok, logp, t0
+        return True
 
-    def collect(self, handle) -> list[Completion]:
-        if handle is None:
-            return []
-        batch, tok, logp, t0 = handle
+    def collect(self) -> list[Completion]:
+        """Read back the oldest dispatched step unless overlapping it with the one just dispatched;
+        returns the sequences that finished."""
+        done, self._ready = self._ready, []
+        if self._inflight and (len(self._inflight) > 1 or not self._dispatched or not self.overlap):
+            done += self._read(self._inflight.popleft())
+        return done
+
+    def _read(self, handle) -> list[Completion]:
+        batch, tok, logp = handle
         t1 = time.perf_counter()
         tok, logp = np.asarray(tok), np.asarray(logp)
         self.busy_s += time.perf_counter() - t1
         done = []
         for i, s in enumerate(batch):
+            s.pending -= 1
+            if s.done:                    # aborted, or stopped at an earlier step: discard
+                continue
             s.computed = len(s)           # the fed token's K/V is now cached
             s.out.append(int(tok[i]))
             s.logprobs.append(float(logp[i]))
@@ -249,6 +301,7 @@ class Instance:
 
     def _retire(self, s: Sequence, reason: str) -> Completion:
         self.running.remove(s)
+        s.done = True
         kv = None
         if s.params.return_kv:
             n = len(s) - 1
@@ -262,5 +315,5 @@ class Instance:
         return {"instance": self.index, "tp": self.mesh.shape["tp"], "active_batch": len(self.running),
                 "waiting": len(self.waiting), "context_tokens": sum(len(s) for s in self.running),
                 "pages_used": self.pool.used, "pages_total": self.pool.capacity, "preemptions": self.preemptions,
-                "generated_tokens": self.generated,
+                "generated_tokens": self.generated, "overlapped_steps": self.overlapped,
                 "tokens_per_s": self.generated / self.busy_s if self.busy_s else 0.0}

@@ -115,6 +115,14 @@ def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, 
     return tok, logp, k_pages, v_pages
 
 
+@jax.jit
+def feed_tokens(prev_tokens, src, host_tokens):
+    """Next step's input tokens: row i takes `prev_tokens[src[i]]` (the previous step's output, still on
+    the device) where src[i] >= 0, else `host_tokens[i]`."""
+    prev = prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)]
+    return jnp.where(src >= 0, prev, host_tokens)
+
+
 @functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages"))
 def copy_page(k_pages, v_pages, src, dst):
     """Copy page `src` to `dst` in every layer (copy-on-write of a shared partial prompt page)."""

@@ -7,7 +7,8 @@
     svc.update_weights(new_weights) # layer-wise reshard from any layout
 
 Every `step()` dispatches all instances' work (`Instance.launch`, asynchronous) before reading any
-result (`Instance.collect`), so instances on disjoint devices run concurrently.
+result (`Instance.collect`), so instances on disjoint devices run concurrently; with `overlap` (default)
+each instance also reads step n only after dispatching step n+1 (see `instance`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class RolloutService:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int = 1, instances: int = 1, devices=None,
                  num_pages: int | None = None, page_size: int = 16, max_batch: int = 64, max_seq_len: int = 1024,
                  prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", overlap: bool = True):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:
@@ -50,7 +51,8 @@ class RolloutService:
             w, _ = reshard(weights, self._shardings(mesh))
             self.instances.append(Instance(i, cfg, mesh, w, num_pages=num_pages, page_size=page_size,
                                            max_batch=max_batch, prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
-                                           prefix_sharing=prefix_sharing, attention_impl=attention_impl))
+                                           prefix_sharing=prefix_sharing, attention_impl=attention_impl,
+                                           overlap=overlap))
         self._ids = itertools.count()
         self._groups = itertools.count()
         self._rr = itertools.cycle(range(instances))
@@ -95,8 +97,9 @@ class RolloutService:
         return any(i.has_work() for i in self.instances)
 
     def step(self) -> list[Completion]:
-        handles = [inst.launch() for inst in self.instances]     # dispatch everything first
-        done = [c for inst, h in zip(self.instances, handles) for c in inst.collect(h)]
+        for inst in self.instances:                              # dispatch everything first
+            inst.launch()
+        done = [c for inst in self.instances for c in inst.collect()]
         for c in done:
             self._where.pop(c.request_id, None)
         return done
