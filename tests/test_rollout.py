@@ -61,6 +61,13 @@ def test_same_tokens_across_layouts(weights, prompts, reference, tp, instances):
     np.testing.assert_allclose([o.logprobs for o in outs], [r.logprobs for r in reference], atol=LOGPROB_ATOL_F32)
 
 
+def test_prefill_budget_and_chunks_keep_outputs(weights, prompts, reference):
+    """Admitted prompts prefill together; a small token budget splits them over calls and chunks."""
+    outs = generate(CFG, weights, prompts, SamplingParams(max_new_tokens=10, temperature=0.0), page_size=8,
+                    num_pages=64, prefill_chunk=8, prefill_tokens=16)
+    assert [o.tokens for o in outs] == [r.tokens for r in reference]
+
+
 def test_preemption_keeps_outputs(weights, prompts, reference):
     """A pool too small for all sequences at once forces preemption by recomputation."""
     svc = RolloutService(CFG, weights, page_size=8, num_pages=9)

@@ -3,7 +3,8 @@
 Continuous batching, per `launch()`:
   1. admit waiting sequences (FCFS) while their pages fit and the batch has room; a GRPO group of n
      samples is admitted together and prefilled once (prefix sharing);
-  2. prefill admitted sequences in chunks of `prefill_chunk` tokens (positions [0, len-1));
+  2. prefill admitted sequences together (one group leader per prompt), in chunks of `prefill_chunk`
+     tokens per row and at most `prefill_tokens` tokens per call (positions [0, len-1));
      siblings then share the prompt's full pages and copy the page holding the last prompt position;
   3. make sure every running sequence owns the page its next position lands in; when the pool is
      empty, preempt the most recently admitted sequence (pages freed, recomputed later; counted);
@@ -90,11 +91,12 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
-                 max_batch: int = 64, prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True,
-                 attention_impl: str = "xla", overlap: bool = True):
+                 max_batch: int = 64, prefill_chunk: int = 256, prefill_tokens: int = 8192, kv_dtype=None,
+                 prefix_sharing: bool = True, attention_impl: str = "xla", overlap: bool = True):
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.pool = PagePool(num_pages, page_size)
         self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
+        self.prefill_tokens = max(prefill_tokens, prefill_chunk)
         self.impl, self.overlap = attention_impl, overlap
         tp = mesh.shape["tp"]
         kv_axis = "tp" if cfg.num_kv_heads % tp == 0 else None   # replicated when tp > kv heads
@@ -165,8 +167,9 @@ class Instance:
             todo = [s for s in seqs if s.computed < len(s) - 1]
             if not todo:
                 return
-            rows = bucket(len(todo))
             width = bucket(min(C, max(len(s) - 1 - s.computed for s in todo)))
+            todo = todo[:max(1, self.prefill_tokens // width)]
+            rows = bucket(len(todo))
             mp = bucket(max(len(s.pages) for s in todo))
             tokens = np.zeros((rows, width), np.int32)
             start, n_valid = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
@@ -233,8 +236,9 @@ class Instance:
         """Admit, prefill, dispatch one decode step (never waits for the device). Returns whether a
         step was dispatched."""
         t0 = time.perf_counter()
-        for group in self._admit():
-            self._prefill(group[:1])
+        groups = self._admit()
+        self._prefill([g[0] for g in groups])      # one batched prefill for every admitted prompt
+        for group in groups:
             if len(group) > 1:
                 self._fork(group)
             self.running.extend(group)

@@ -32,8 +32,8 @@ ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (i
 class RolloutService:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int = 1, instances: int = 1, devices=None,
                  num_pages: int | None = None, page_size: int = 16, max_batch: int = 64, max_seq_len: int = 1024,
-                 prefill_chunk: int = 256, kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
-                 attention_impl: str = "xla", overlap: bool = True):
+                 prefill_chunk: int = 256, prefill_tokens: int = 8192, kv_dtype=None, prefix_sharing: bool = True,
+                 router: str = "least_loaded", attention_impl: str = "xla", overlap: bool = True):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:
@@ -50,7 +50,8 @@ class RolloutService:
             mesh = self.layout.make_mesh(group)
             w, _ = reshard(weights, self._shardings(mesh))
             self.instances.append(Instance(i, cfg, mesh, w, num_pages=num_pages, page_size=page_size,
-                                           max_batch=max_batch, prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
+                                           max_batch=max_batch, prefill_chunk=prefill_chunk,
+                                           prefill_tokens=prefill_tokens, kv_dtype=kv_dtype,
                                            prefix_sharing=prefix_sharing, attention_impl=attention_impl,
                                            overlap=overlap))
         self._ids = itertools.count()
