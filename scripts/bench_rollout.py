@@ -9,6 +9,7 @@ Both engines compute the same function: random weights from `models.init` are wr
 generates exactly `--new-tokens` greedy tokens (HF: `min_new_tokens`, no EOS) for `batch` prompts of
 `--prompt-len` tokens; throughput = batch * new_tokens / wall time, prefill included for both. Both are
 warmed up once on the same shapes; our compile time (first run minus steady run) is reported apart.
+The timed runs alternate ours / theirs and the best of `--repeats` is kept for each.
 Our engine gets a fixed page pool sized to fit the batch. torch uses one thread per core; XLA's CPU
 backend uses its own pool over all cores.
 
@@ -103,9 +104,11 @@ def bench_cpu(args) -> dict:
     for B in args.batches:
         prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
         first, _, _ = run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu)     # compiles
-        ours = [run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu) for _ in range(args.repeats)]
         run_hf(hf, prompts, min(8, args.new_tokens))                                           # warm-up
-        theirs = [run_hf(hf, prompts, args.new_tokens) for _ in range(args.repeats)]
+        ours, theirs = [], []
+        for _ in range(args.repeats):        # interleaved, so slow drifts of the machine hit both alike
+            ours.append(run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu))
+            theirs.append(run_hf(hf, prompts, args.new_tokens))
         t_ours, t_hf = min(r[0] for r in ours), min(r[0] for r in theirs)
         agree = float(np.mean(np.array(ours[0][2]) == np.array(theirs[0][1])))
         n = B * args.new_tokens
@@ -198,7 +201,7 @@ def parse_args(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and batch (best is kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine and batch (best is kept)")
     ap.add_argument("--quick", action="store_true", help="tiny model and sizes (smoke test)")
     ap.add_argument("--gpu-8b", action="store_true", help="also time llama3.1-8b bf16 decode when a GPU is present")
     args = ap.parse_args(argv)
