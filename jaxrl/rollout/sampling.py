@@ -155,7 +155,10 @@ def sample(logits: jax.Array, s: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     t = jnp.where(greedy, 1.0, s.temperature)
     scaled = logits / t[:, None]
     m = jnp.max(scaled, axis=-1, keepdims=True)
-    e = jnp.exp(scaled - m)
+    # exp(d) for d < -80 would be a float32 denormal (or zero): denormal arithmetic is several times
+    # slower on CPUs, and logits spread over > 80 nats are common. Those tokens get exactly zero weight.
+    d = scaled - m
+    e = jnp.where(d < -80.0, 0.0, jnp.exp(jnp.maximum(d, -80.0)))
     lse = m[:, 0] + jnp.log(jnp.sum(e, axis=-1))
     if s.truncate:
         thr = truncation_threshold(scaled, e / jnp.sum(e, axis=-1, keepdims=True), s.top_k, s.top_p)
