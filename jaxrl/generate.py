@@ -67,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = init(jax.random.key(0), model_cfg, cfg.model.jnp_dtype())
     params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                             top_p=s.top_p, n=s.n, seed=s.seed, stop_token_ids=tuple(tokenizer.eos_ids))
-    svc = RolloutService(model_cfg, weights, tp=e.tp, instances=e.instances, page_size=e.page_size,
-                         num_pages=e.num_pages or None, max_batch=e.max_batch, max_seq_len=e.max_seq_len,
-                         prefix_sharing=e.prefix_sharing,
-                                  attention_impl=e.attention_impl)
+    svc = RolloutService(model_cfg, weights, **e.service_kwargs())
     owner = {}
     for i, (row, ids) in enumerate(rows):
         for j, rid in enumerate(svc.add(ids, params)):

@@ -43,12 +43,22 @@ class EngineSection(Section):
     max_seq_len: int = 1024
     prefix_sharing: bool = True
     attention_impl: str = "xla"   # "pallas" = the Pallas kernels (GPU; interpret mode on the CPU)
+    prefill_chunk: int = 256      # prompt tokens per row per prefill call
+    prefill_tokens: int = 8192    # prompt tokens per prefill call (admitted prompts prefill together)
+    overlap: bool = True          # dispatch decode step n+1 before reading step n
 
     def __post_init__(self):
         check_choice("attention_impl", self.attention_impl, ("xla", "pallas"))
-        for name in ("tp", "instances", "page_size", "max_batch", "max_seq_len"):
+        for name in ("tp", "instances", "page_size", "max_batch", "max_seq_len", "prefill_chunk", "prefill_tokens"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("num_pages", self.num_pages, minimum=0)
+
+    def service_kwargs(self) -> dict:
+        """Keyword arguments of `jaxrl.rollout.RolloutService` for this section."""
+        return dict(tp=self.tp, instances=self.instances, page_size=self.page_size, num_pages=self.num_pages or None,
+                    max_batch=self.max_batch, max_seq_len=self.max_seq_len, prefix_sharing=self.prefix_sharing,
+                    attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
+                    prefill_tokens=self.prefill_tokens, overlap=self.overlap)
 
 
 @dataclasses.dataclass(frozen=True)

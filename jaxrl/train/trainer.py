@@ -74,10 +74,8 @@ class Trainer:
         self.logprob_fn = make_logprob_fn(self.model_cfg, temperature)
         e = cfg.engine
         self.pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
-        self.svc = RolloutService(self.model_cfg, to_local(self.params), tp=e.tp, instances=e.instances,
-                                  devices=jax.local_devices(), page_size=e.page_size, num_pages=e.num_pages or None,
-                                  max_batch=e.max_batch, max_seq_len=e.max_seq_len, prefix_sharing=e.prefix_sharing,
-                                  attention_impl=e.attention_impl)
+        self.svc = RolloutService(self.model_cfg, to_local(self.params), devices=jax.local_devices(),
+                                  **e.service_kwargs())
         self.pool = RewardPool(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
