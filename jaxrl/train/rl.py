@@ -1,5 +1,5 @@
 """One RL step's data work, as plain functions the trainer calls in order:
-rollout -> rewards -> advantages -> packed global batch.
+rollout (rewards scored as completions stream out) -> advantages -> packed global batch.
 
 Seeds: the n samples of a prompt are seeded from (run seed, step, dataset row index), so a step's
 rollouts are the same whatever the number of processes, instances or TP size.
@@ -8,6 +8,7 @@ rollouts are the same whatever the number of processes, instances or TP size.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import jax
 import numpy as np
@@ -27,27 +28,43 @@ def request_seed(run_seed: int, step: int, row_index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def rollout(svc: RolloutService, cfg: TrainConfig, prompts: list[list[int]], rows: list[dict], step: int,
-            eos_ids) -> list[Completion]:
-    """All samples of all local prompts, prompt-major (row p*G + g)."""
-    r = cfg.rollout
+def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
+                      rows: list[dict], step: int, eos_ids) -> tuple[list[Completion], np.ndarray, dict]:
+    """All samples of all local prompts, prompt-major (row p*G + g), with their rewards.
+
+    Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
+    rest of the rollout (the long tail especially). Returns (completions, rewards [P*G] float32,
+    {"timeouts", "crashes", "seconds"}) where seconds is the wait for rewards after the last completion;
+    crashes and timeouts score 0 and are counted.
+    """
+    r, G = cfg.rollout, cfg.algo.group_size
     order = []
     for ids, row in zip(prompts, rows):
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, n=cfg.algo.group_size, stop_token_ids=tuple(eos_ids),
+                                top_p=r.top_p, n=G, stop_token_ids=tuple(eos_ids),
                                 seed=request_seed(cfg.seed, step, int(row["index"])))
         order += svc.add(ids, params)
-    by_id = {c.request_id: c for c in svc.stream()}
-    return [by_id[i] for i in order]
+    slot = {rid: k for k, rid in enumerate(order)}
+    comps: list[Completion | None] = [None] * len(order)
+    rewards = np.zeros(len(order), np.float32)
+    waiting, statuses = {}, []
 
+    def take(results):
+        for res in results:
+            rewards[waiting.pop(res.id)] = res.score
+            statuses.append(res.status)
 
-def score(pool, tokenizer, rows: list[dict], comps: list[Completion], group: int):
-    """Rewards [P*G] from the reward pool (crashes and timeouts score 0 and are counted)."""
-    items = []
-    for k, c in enumerate(comps):
-        row = rows[k // group]
-        items.append((reward_fn_for(row["task"]), tokenizer.decode(c.tokens), row["answer"], row["task"]))
-    return pool.score(items)
+    for c in svc.stream():
+        k = slot[c.request_id]
+        comps[k] = c
+        row = rows[k // G]
+        waiting[pool.submit((reward_fn_for(row["task"]), tokenizer.decode(c.tokens), row["answer"], row["task"]))] = k
+        take(pool.poll())
+    t0 = time.perf_counter()
+    while waiting:
+        take(pool.poll(timeout=1.0))
+    stats = dict(timeouts=statuses.count("timeout"), crashes=statuses.count("crash"), seconds=time.perf_counter() - t0)
+    return comps, rewards, stats
 
 
 def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int]) -> list[np.ndarray]:

@@ -165,10 +165,10 @@ class Trainer:
         t0 = time.perf_counter()
         rows = next(self.loader)
         prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
-        comps = rl.rollout(self.svc, cfg, prompts, rows, self.step, self.tokenizer.eos_ids)
-        t1 = time.perf_counter()
-        rewards, rstats = rl.score(self.pool, self.tokenizer, rows, comps, G)
+        comps, rewards, rstats = rl.rollout_and_score(self.svc, self.pool, self.tokenizer, cfg, prompts, rows,
+                                                      self.step, self.tokenizer.eos_ids)
         t2 = time.perf_counter()
+        t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
         lens = [len(c.tokens) for c in comps]
         adv = rl.advantages(cfg, rewards, lens)
         samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
