@@ -146,6 +146,21 @@ def test_pool_streaming(pool):
     assert pool.poll() == []
 
 
+def test_pool_trickled_submits_start_at_once(pool):
+    """Items submitted one by one while results stream back (the trainer's pattern) are each picked up
+    at once: a lost wake-up of the dispatcher leaves items waiting for its 1 s tick instead."""
+    sent, latency = {}, []
+    for k in range(150):
+        sent[pool.submit(("builtin", "abc", "abc", "copy"))] = time.monotonic()
+        for r in pool.poll():
+            latency.append(time.monotonic() - sent.pop(r.id))
+        time.sleep(0.002 * (k % 3))
+    while sent:
+        for r in pool.poll(timeout=0.2):
+            latency.append(time.monotonic() - sent.pop(r.id))
+    assert max(latency) < 0.5, f"slowest item waited {max(latency):.2f} s"
+
+
 def test_pool_streaming_and_batch_do_not_steal_results(pool):
     i = pool.submit(("math", "\\boxed{9}", "9", "math"))
     scores, _ = pool.score([("math", "\\boxed{8}", "9", "math")])

@@ -383,10 +383,13 @@ class RewardPool:
         ready = set(_mp_wait(objs, timeout=max(0.0, wait_s)))
 
         if self._wake_r in ready:
-            with self._cv:
-                self._wake_pending = False
+            # Drain first, then clear the flag: clearing first lets a concurrent `_wake` set the flag and
+            # send a byte that this drain swallows, after which every later `_wake` sees the flag set and
+            # stays silent (submitted items then wait for the next 1 s tick).
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
+            with self._cv:
+                self._wake_pending = False
 
         finished: list[tuple[int, str, float, str, str]] = []
         for k, w in enumerate(self._workers):
