@@ -8,7 +8,8 @@ shared pool (one layer's K and V) and are located through a page table:
                                              query head h reads kv head h // (H // K)). Head-major
                                              inside a page: each kv head's slots are contiguous, so a
                                              page is K separate [page_size, D] blocks (as in jax's TPU
-                                             paged attention) and `pool_attention` can read it in place
+                                             paged attention) and a gathered sequence is contiguous per
+                                             kv head
   page_table  [B, max_pages] int32           page ids of each sequence, in order; entries past the
                                              sequence's last page may be any valid id (e.g. 0)
   lengths     [B] int32                      valid keys per sequence, 0 <= lengths <= max_pages * page_size
