@@ -7,17 +7,20 @@
 """
 
 from .config import PRESETS, ModelConfig, RopeScaling, preset
-from .weights import LOGICAL_AXES, ArraySpec, Layers, Weights, abstract, init, is_spec, logical_axes, weight_specs
+from .weights import (KV_CACHE_AXES, LOGICAL_AXES, ArraySpec, Layers, Weights, abstract, init, is_spec, kv_cache_spec,
+                      logical_axes, weight_specs)
 
 __all__ = [
     "PRESETS", "ModelConfig", "RopeScaling", "preset",
-    "LOGICAL_AXES", "ArraySpec", "Layers", "Weights", "abstract", "init", "is_spec", "logical_axes", "weight_specs",
+    "KV_CACHE_AXES", "LOGICAL_AXES", "kv_cache_spec", "ArraySpec", "Layers", "Weights", "abstract", "init", "is_spec", "logical_axes", "weight_specs",
 ]
 
-from .forward import forward, lm_head  # noqa: E402
+from .forward import (ATTENTION_IMPLS, REMAT_POLICIES, decoder_stack, forward, forward_block,  # noqa: E402
+                      inv_freq, lm_head)
 from .hf import CheckpointError, config_from_hf, config_to_hf, load_hf, save_hf  # noqa: E402
 
-__all__ += ["forward", "lm_head", "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
+__all__ += ["ATTENTION_IMPLS", "REMAT_POLICIES", "decoder_stack", "forward", "forward_block", "inv_freq", "lm_head",
+            "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer  # noqa: E402
 
 __all__ += ["CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]

@@ -7,7 +7,9 @@ one `weight_specs(cfg)` tree, so the three never disagree. Optional tensors (bia
 untied LM head) are `None` when the architecture has none.
 
 Logical axes used (mapped to mesh axes only in `sharding/`):
-  layers, vocab, embed, heads, kv_heads, head_dim, mlp
+  layers, vocab, embed, heads, kv_heads, head_dim, mlp           (weights)
+  pages, page_size                                                (the rollout's paged KV cache, with
+                                                                  layers, kv_heads and head_dim)
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 
-LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp")
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "pages", "page_size")
+KV_CACHE_AXES = ("layers", "pages", "kv_heads", "page_size", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +135,13 @@ def weight_specs(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
         final_norm=spec((E,), ("embed",), _ones),
         lm_head=None if cfg.tie_embeddings else spec((E, V), ("embed", "vocab"), _normal((0,))),
     )
+
+
+def kv_cache_spec(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> ArraySpec:
+    """One of a paged KV cache's two arrays (K or V): [layers, pages, kv_heads, page_size, head_dim],
+    head-major inside a page so a gathered sequence is contiguous per kv head."""
+    return ArraySpec((cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim), dtype, KV_CACHE_AXES,
+                     _zeros)
 
 
 def abstract(cfg: ModelConfig, dtype=jnp.float32) -> Weights:

@@ -164,23 +164,29 @@ def _put_layer_fn(sharding):
                    out_shardings=sharding, donate_argnums=0)
 
 
-def _move_stacked(x: jax.Array, dst: Sharding, src_layer: NamedSharding, dst_layer: NamedSharding) -> jax.Array:
+def _move_stacked(x: jax.Array, dst: Sharding, src_layer: NamedSharding, dst_layer: NamedSharding,
+                  progress: Callable[[], None] | None = None) -> jax.Array:
     out = _zeros_fn(x.shape, x.dtype, dst)()
     take, put = _take_layer_fn(src_layer), _put_layer_fn(dst)
     for l in range(x.shape[0]):
         i = np.int32(l)
         layer = jax.device_put(take(x, i), dst_layer)
         out = put(out, layer, i)
+        if progress is not None:
+            progress()
     return out
 
 
-def reshard(weights: Any, target_shardings: Any, *, donate: bool = False,
-            stacked: Callable[[str], bool] = is_layer_path) -> tuple[Any, ReshardReport]:
+def reshard(weights: Any, target_shardings: Any, *, donate: bool | Callable[[jax.Array], bool] = False,
+            stacked: Callable[[str], bool] = is_layer_path,
+            progress: Callable[[], None] | None = None) -> tuple[Any, ReshardReport]:
     """Move every leaf of `weights` (a pytree of `jax.Array`) to the matching leaf of `target_shardings`.
 
     Values are exact (copies, no arithmetic). `stacked(path)` says which leaves are stacked on a leading layer
     axis and move one layer at a time (default: the `layers.*` subtree; pass `lambda p: True` for a KV cache
-    `[layers, ...]`). With `donate=True` the source arrays are consumed (deleted once moved).
+    `[layers, ...]`). With `donate=True` the source arrays are consumed (deleted once moved); `donate` may also
+    be a predicate on each source leaf (only the leaves it accepts are consumed). `progress()`, if
+    given, is called after every layer step and every moved leaf (memory probes, progress bars).
     """
     start = time.perf_counter()
     src, treedef = _flatten(weights)
@@ -216,10 +222,10 @@ def reshard(weights: Any, target_shardings: Any, *, donate: bool = False,
         if src_layer is not None and dst_layer is not None:
             # Count per step, so the report is the sum over what was actually sent, layer by layer.
             moved = x.shape[0] * leaf_bytes_moved(x.shape[1:], x.dtype, src_layer, dst_layer)
-            new = _move_stacked(x, target, src_layer, dst_layer)
+            new = _move_stacked(x, target, src_layer, dst_layer, progress)
             layer_steps += x.shape[0]
             max_step = max(max_step, x.nbytes // x.shape[0])
-            if donate:
+            if donate is True or (callable(donate) and donate(x)):
                 x.delete()
         else:
             moved = leaf_bytes_moved(x.shape, x.dtype, x.sharding, target)
@@ -227,10 +233,12 @@ def reshard(weights: Any, target_shardings: Any, *, donate: bool = False,
             # own `donate` is only a hint: it leaves `x` alive where it cannot reuse the buffer.)
             new = jax.device_put(x, target, may_alias=False)
             max_step = max(max_step, x.nbytes)
-            if donate:
+            if donate is True or (callable(donate) and donate(x)):
                 x.delete()
         by_leaf[path] = moved
         out.append(new)
+        if progress is not None:
+            progress()
     out = jax.block_until_ready(out)
     report = ReshardReport(bytes_moved=sum(by_leaf.values()), total_bytes=total, leaves=len(src),
                            leaves_moved=moved_leaves, layer_steps=layer_steps, max_step_bytes=max_step,

@@ -13,6 +13,10 @@ set maps each logical axis to one mesh axis or `None` (replicated along it). Two
   residual stream is whole on every device and each layer ends in one all-reduce). A rollout layout with
   `dp` or `fsdp` > 1 is an error: rollout data parallelism is several instances (`split_devices`), not a mesh axis.
 
+The rollout's paged KV cache (`models.kv_cache_spec`: layers, pages, kv_heads, page_size, head_dim) follows the
+same rollout rules: `kv_heads` on `tp` (replicated when tp > num_kv_heads), pages and page slots whole on every
+device of the instance.
+
 `layers` and `head_dim` are never sharded: layers are scanned (and resharded one at a time, `sharding.reshard`),
 and head_dim is the contraction inside one attention head.
 
@@ -56,6 +60,8 @@ class ShardingRules:
     kv_heads: str | None = None
     head_dim: str | None = None
     mlp: str | None = None
+    pages: str | None = None
+    page_size: str | None = None
 
     def __post_init__(self):
         for name in LOGICAL_AXES:

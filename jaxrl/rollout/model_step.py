@@ -1,4 +1,4 @@
-"""Prefill and decode steps over a paged KV cache, built from the shared layer functions.
+"""Prefill and decode steps over a paged KV cache, built on `models.decoder_stack` (the one decoder layer).
 
 Cache layout (one instance): `k_pages`, `v_pages` [layers, num_pages, kv_heads, page_size, head_dim]:
 head-major inside a page, so each kv head's keys of a sequence are contiguous once its pages are
@@ -7,8 +7,9 @@ Page 0 is a scratch page: padding rows of a batch bucket write there and read no
 need no special-casing inside the compiled step.
 
 Both steps sample on the device (`sampling.sample`) and return only the sampled tokens and their
-log-probs, so no [batch, vocab] logits cross to the host. They are jitted with the cache donated;
-jax's executable cache keys them by (shapes, shardings) = (instance layout, batch bucket, chunk).
+log-probs, so no [batch, vocab] logits cross to the host. They are jitted with the cache donated and
+their static arguments keyword-only; `executor.ExecutableCache` compiles them ahead of time per
+(instance layout, batch bucket, shapes).
 Attention: prefill chunks use `kernels.attention` with `q_offset` over the gathered pages; decode
 uses `kernels.paged_decode_attention` (its XLA path gathers the pages; its Pallas kernel, for GPU,
 reads the pool in place).
@@ -23,9 +24,7 @@ import jax.numpy as jnp
 
 from kernels import attention, normalize, paged_decode_attention
 from kernels.paged_attention import gather_pages
-from models import ModelConfig, Weights, lm_head
-from models import layers as L
-from models.forward import inv_freq
+from models import ModelConfig, decoder_stack, lm_head
 
 from .sampling import sample
 
@@ -35,35 +34,13 @@ def _gather_pages(pages, layer, page_table):
     return gather_pages(pages[layer], page_table).swapaxes(1, 2)
 
 
-def _decoder(weights: Weights, cfg: ModelConfig, tokens, positions, k_pages, v_pages, attend):
-    """Embed `tokens` [B, T], run every layer with `attend(l, q, k, v, k_pages, v_pages)` doing the
-    cache write + attention, return (final-normed hidden [B, T, E], k_pages, v_pages)."""
-    freqs = inv_freq(cfg)
-    x = weights.embed[tokens]
-
-    def body(carry, xs):
-        x, k_pages, v_pages = carry
-        layer, l = xs
-        h = L.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q, k, v = L.project_qkv(h, wq=layer.wq, wk=layer.wk, wv=layer.wv, bq=layer.bq, bk=layer.bk, bv=layer.bv,
-                                q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps,
-                                positions=positions, inv_freq=freqs)
-        o, k_pages, v_pages = attend(l, q, k, v, k_pages, v_pages)
-        x = x + L.attn_output(o, layer.wo)
-        h = L.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        return (x + L.swiglu_mlp(h, layer.w_gate, layer.w_up, layer.w_down), k_pages, v_pages), None
-
-    (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, k_pages, v_pages),
-                                            (weights.layers, jnp.arange(cfg.num_layers)))
-    return L.rms_norm(x, weights.final_norm, cfg.rms_norm_eps), k_pages, v_pages
-
-
 def _logits(weights, h):
     return jnp.einsum("be,ev->bv", h, lm_head(weights), preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("k_pages", "v_pages"))
-def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_valid, page_table, impl: str = "xla"):
+def prefill_step(weights, k_pages, v_pages, tokens, start, n_valid, page_table, *, cfg: ModelConfig,
+                 impl: str = "xla"):
     """Process one chunk of C prompt tokens for each of B sequences.
 
     tokens [B, C] (row b holds positions start[b] .. start[b]+C-1, the first n_valid[b] real);
@@ -79,19 +56,21 @@ def prefill_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, start, n_v
     slot = jnp.where(real, pos % ps, 0)
     kv_len = start + n_valid
 
-    def attend(l, q, k, v, k_pages, v_pages):
+    def attend(l, q, k, v, pages, _):
+        k_pages, v_pages = pages
         k_pages = k_pages.at[l, page, :, slot].set(k.astype(k_pages.dtype))
         v_pages = v_pages.at[l, page, :, slot].set(v.astype(v_pages.dtype))
         kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
         o = attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True, implementation=impl)
-        return o, k_pages, v_pages
+        return o, (k_pages, v_pages), None
 
-    _, k_pages, v_pages = _decoder(weights, cfg, tokens, pos, k_pages, v_pages, attend)
+    _, (k_pages, v_pages), _ = decoder_stack(weights, cfg, weights.embed[tokens], pos, attend,
+                                             carry=(k_pages, v_pages))
     return k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("k_pages", "v_pages"))
-def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, page_table, sampling,
+def decode_step(weights, k_pages, v_pages, tokens, positions, page_table, sampling, *, cfg: ModelConfig,
                 impl: str = "xla"):
     """One token for each of B sequences: tokens [B] at positions [B]; page_table [B, MP].
 
@@ -103,14 +82,16 @@ def decode_step(weights, cfg: ModelConfig, k_pages, v_pages, tokens, positions, 
     page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
     slot = positions % ps
 
-    def attend(l, q, k, v, k_pages, v_pages):
+    def attend(l, q, k, v, pages, _):
+        k_pages, v_pages = pages
         k_pages = k_pages.at[l, page, :, slot].set(k[:, 0].astype(k_pages.dtype))
         v_pages = v_pages.at[l, page, :, slot].set(v[:, 0].astype(v_pages.dtype))
         o, lse_l, _ = paged_decode_attention(q[:, 0], k_pages[l], v_pages[l], page_table, positions + 1,
                                              implementation=impl)
-        return normalize(o, lse_l, dtype=q.dtype)[:, None], k_pages, v_pages
+        return normalize(o, lse_l, dtype=q.dtype)[:, None], (k_pages, v_pages), None
 
-    h, k_pages, v_pages = _decoder(weights, cfg, tokens[:, None], positions[:, None], k_pages, v_pages, attend)
+    h, (k_pages, v_pages), _ = decoder_stack(weights, cfg, weights.embed[tokens[:, None]], positions[:, None],
+                                             attend, carry=(k_pages, v_pages))
     tok, logp = sample(_logits(weights, h[:, 0]), sampling)
     return tok, logp, k_pages, v_pages
 
@@ -121,17 +102,3 @@ def feed_tokens(prev_tokens, src, host_tokens):
     the device) where src[i] >= 0, else `host_tokens[i]`."""
     prev = prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)]
     return jnp.where(src >= 0, prev, host_tokens)
-
-
-@functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages"))
-def copy_page(k_pages, v_pages, src, dst):
-    """Copy page `src` to `dst` in every layer (copy-on-write of a shared partial prompt page)."""
-    return k_pages.at[:, dst].set(k_pages[:, src]), v_pages.at[:, dst].set(v_pages[:, src])
-
-
-@jax.jit
-def export_kv(k_pages, v_pages, page_ids):
-    """Contiguous per-layer K, V [layers, len(page_ids) * page_size, K, D] of one sequence (caller trims)."""
-    Lr, _, K, ps, D = k_pages.shape
-    flat = lambda pages: pages[:, page_ids].transpose(0, 1, 3, 2, 4).reshape(Lr, -1, K, D)  # noqa: E731
-    return flat(k_pages), flat(v_pages)

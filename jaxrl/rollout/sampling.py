@@ -17,30 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0          # 0 = greedy
-    top_k: int = 0                    # 0 = off
-    top_p: float = 1.0                # 1 = off
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
-    n: int = 1                        # samples per prompt (share the prompt's KV pages)
-    return_kv: bool = False           # attach the sequence's KV cache to the completion
-
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n!r} must be an int >= 1")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+from .params import SamplingParams
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -1,70 +1,118 @@
-"""RolloutService: several instances over a device pool (rollout DP = number of instances).
+"""RolloutService: rollout instances over a device pool, whose live sequences, KV and layout can move.
 
-    svc = RolloutService(cfg, weights, tp=2, instances=4)
+    svc = RolloutService(cfg, weights, tp=2, instances=4)       # or tp=[4, 2, 2]: one TP4 + two TP2
     ids = svc.add(prompt_tokens, SamplingParams(max_new_tokens=64, temperature=1.0, n=8, seed=1))
     for c in svc.stream():          # each Completion the moment it finishes
         ...
-    svc.update_weights(new_weights) # layer-wise reshard from any layout
+    svc.pause()                                   # drain in-flight steps; every live sequence stays resumable
+    states = svc.detach(rids)                     # live sequences leave their instance (KV pages held)
+    svc.attach(states, instance=i, kv="migrate")  # or kv="recompute": re-prefill prompt + generated tokens
+    svc.relayout(tp=8, instances=1, kv="migrate") # move every live sequence and its KV, reshard the weights
+    svc.add(prompt, params, instance=i)           # route to a chosen instance (default: the router)
+    svc.update_weights(new_weights)               # layer-wise reshard from any layout
 
 Every `step()` dispatches all instances' work (`Instance.launch`, asynchronous) before reading any
 result (`Instance.collect`), so instances on disjoint devices run concurrently; with `overlap` (default)
-each instance also reads step n only after dispatching step n+1 (see `instance`).
+each instance also reads step n only after dispatching step n+1 (see `instance`). Stepping after a
+pause, detach, attach or relayout simply resumes.
+
+Pages per instance come from a per-device memory budget (`memory.pages_for_budget`): `kv_bytes_per_device`
+or `kv_memory_fraction` of the device's memory, minus the instance's weight shard on that device, divided
+by one page's bytes on a device, so a TP8 instance gets more pages than a TP2 one (when its KV heads shard).
+`num_pages` overrides; with neither and no device memory figure (the CPU) the pool holds `max_batch`
+sequences of `max_seq_len`.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence as Seq
+import time
+from collections.abc import Callable, Iterator, Sequence as Seq
 
 import jax
 
 from jaxrl.runtime import enable_compilation_cache
 from models import ModelConfig, Weights, logical_axes
-from sharding import Layout, ShardingRules, reshard, shardings_for, split_devices
+from sharding import Layout, ShardingRules, reshard, shardings_for
 
-from .instance import Completion, Instance, Sequence
-from .sampling import SamplingParams
+from . import migration
+from .instance import Completion, Instance
+from .memory import instance_pages
+from .params import SamplingParams
+from .scheduler import Sequence, SequenceState
 
 ROUTERS = ("least_loaded", "round_robin")
 ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (interpret mode on the CPU)
+KV_MODES = ("migrate", "recompute")
+
+
+def plan_layout(tp: int | Seq[int], instances: int | None, devices: list) -> list[list]:
+    """Device groups of the instances: `tp` x `instances` (uniform) or one group per entry of a tp list,
+    contiguous from the start of `devices`."""
+    tps = [int(tp)] * (instances or 1) if isinstance(tp, int) else [int(t) for t in tp]
+    if isinstance(tp, int) is False and instances not in (None, len(tps)):
+        raise ValueError(f"tp={list(tps)} lists {len(tps)} instances but instances={instances}")
+    if not tps or min(tps) < 1:
+        raise ValueError(f"tp={tp!r}: need at least one instance of tp >= 1")
+    if sum(tps) > len(devices):
+        raise ValueError(f"instances of tp {tps} need {sum(tps)} devices, have {len(devices)}")
+    starts = list(itertools.accumulate([0] + tps))
+    return [devices[a:b] for a, b in zip(starts, starts[1:])]
 
 
 class RolloutService:
-    def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int = 1, instances: int = 1, devices=None,
-                 num_pages: int | None = None, page_size: int = 16, max_batch: int = 64, max_seq_len: int = 1024,
-                 prefill_chunk: int = 256, prefill_tokens: int = 8192, kv_dtype=None, prefix_sharing: bool = True,
-                 router: str = "least_loaded", attention_impl: str = "xla", overlap: bool = True):
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int | Seq[int] = 1, instances: int | None = None,
+                 devices=None, num_pages: int | None = None, page_size: int = 16, max_batch: int = 64,
+                 max_seq_len: int = 1024, kv_bytes_per_device: int | None = None,
+                 kv_memory_fraction: float | None = None, prefill_chunk: int = 256, prefill_tokens: int = 8192,
+                 kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
+                 attention_impl: str = "xla", overlap: bool = True):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}; valid choices: {', '.join(ATTENTION_IMPLS)}")
-        devices = list(devices if devices is not None else jax.devices())
-        if tp * instances > len(devices):
-            raise ValueError(f"tp={tp} x instances={instances} needs {tp * instances} devices, have {len(devices)}")
         enable_compilation_cache()
-        self.cfg, self.router, self.layout = cfg, router, Layout(tp=tp)
-        if num_pages is None:
-            num_pages = max_batch * -(-max_seq_len // page_size) + 1
+        self.cfg, self.router = cfg, router
+        self.devices = list(devices if devices is not None else jax.devices())
+        self.memory = dict(num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_seq_len=max_seq_len,
+                           kv_bytes_per_device=kv_bytes_per_device, kv_memory_fraction=kv_memory_fraction,
+                           kv_dtype=kv_dtype)
+        self.instance_kw = dict(page_size=page_size, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens,
+                                kv_dtype=kv_dtype, prefix_sharing=prefix_sharing, attention_impl=attention_impl,
+                                overlap=overlap)
         self.instances: list[Instance] = []
-        for i, group in enumerate(split_devices(devices[: tp * instances], instances)):
-            mesh = self.layout.make_mesh(group)
-            w, _ = reshard(weights, self._shardings(mesh))
-            self.instances.append(Instance(i, cfg, mesh, w, num_pages=num_pages, page_size=page_size,
-                                           max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                           prefill_tokens=prefill_tokens, kv_dtype=kv_dtype,
-                                           prefix_sharing=prefix_sharing, attention_impl=attention_impl,
-                                           overlap=overlap))
+        given = migration.buffers(weights)
+        for group in plan_layout(tp, instances, self.devices):
+            mesh = Layout(tp=len(group)).make_mesh(group)
+            w, _ = self.place(weights, mesh)
+            self.instances.append(self.build_instance(len(self.instances), mesh, w, max_batch=max_batch))
+            self.instances[-1].external = migration.buffers(w) & given
         self._ids = itertools.count()
         self._groups = itertools.count()
-        self._rr = itertools.cycle(range(instances))
+        self._rr = itertools.count()
         self._where: dict[int, Instance] = {}
+        self._ready: list[Completion] = []
 
-    def _shardings(self, mesh):
-        return shardings_for(logical_axes(self.cfg), mesh, ShardingRules.rollout(self.cfg, self.layout))
+    # ------------------------------------------------------------------ construction
+    def weight_shardings(self, mesh):
+        return shardings_for(logical_axes(self.cfg), mesh, ShardingRules.rollout(self.cfg, Layout(tp=mesh.shape["tp"])))
 
-    # ------------------------------------------------------------------ API
-    def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams()) -> list[int]:
-        """Queue one prompt (`params.n` samples, routed together so they share prompt pages)."""
+    def place(self, weights: Weights, mesh, **reshard_kw):
+        """`weights` (any layout) as the rollout copy of an instance on `mesh`, moved layer by layer;
+        returns (weights, `sharding.ReshardReport`)."""
+        return reshard(weights, self.weight_shardings(mesh), **reshard_kw)
+
+    def build_instance(self, index: int, mesh, weights, *, max_batch: int, num_pages: int | None = None) -> Instance:
+        m = dict(self.memory, max_batch=max_batch)
+        if num_pages is not None:
+            m["num_pages"] = num_pages
+        pages = instance_pages(self.cfg, mesh, weights, **m)
+        return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=max_batch, **self.instance_kw)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *, instance: int | None = None) -> list[int]:
+        """Queue one prompt (`params.n` samples, kept together so they share prompt pages) on `instance`
+        (default: the router's choice)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -75,15 +123,19 @@ class RolloutService:
         for j in range(params.n):
             rid = next(self._ids)
             seqs.append(Sequence(rid, prompt, params, seed=(params.seed * 1_000_003 + j) % 2**32, group=group))
-        inst = self._route()
+        inst = self._instance(instance)
         inst.add(seqs)
         for s in seqs:
             self._where[s.rid] = inst
         return [s.rid for s in seqs]
 
-    def _route(self) -> Instance:
+    def _instance(self, index: int | None) -> Instance:
+        if index is not None:
+            if not 0 <= index < len(self.instances):
+                raise ValueError(f"instance={index}: the service has instances 0..{len(self.instances) - 1}")
+            return self.instances[index]
         if self.router == "round_robin":
-            return self.instances[next(self._rr)]
+            return self.instances[next(self._rr) % len(self.instances)]
         return min(self.instances, key=lambda i: (i.load, i.index))
 
     def abort(self, rid: int) -> Completion | None:
@@ -95,12 +147,13 @@ class RolloutService:
         return Completion(s.rid, s.prompt, s.out, s.logprobs, "abort", inst.index, s.preemptions)
 
     def has_work(self) -> bool:
-        return any(i.has_work() for i in self.instances)
+        return bool(self._ready) or any(i.has_work() for i in self.instances)
 
     def step(self) -> list[Completion]:
         for inst in self.instances:                              # dispatch everything first
             inst.launch()
-        done = [c for inst in self.instances for c in inst.collect()]
+        done, self._ready = self._ready, []
+        done += [c for inst in self.instances for c in inst.collect()]
         for c in done:
             self._where.pop(c.request_id, None)
         return done
@@ -114,20 +167,90 @@ class RolloutService:
         """Run until idle; completions ordered by request id."""
         return sorted(self.stream(), key=lambda c: c.request_id)
 
+    # ------------------------------------------------------------------ movable state
+    def pause(self):
+        """Drain every in-flight step; completions found meanwhile come out of the next `step`."""
+        for inst in self.instances:
+            inst.pause()
+            self._ready += inst.collect()
+
+    def live(self) -> list[int]:
+        """Request ids of every live (waiting or running) sequence."""
+        return [rid for inst in self.instances for rid in inst.live_rids()]
+
+    def detach(self, rids: Seq[int], *, keep_kv: bool = True) -> list[SequenceState]:
+        """Live sequences leave their instances (pausing first). With `keep_kv` their pages stay held on
+        the source instance until `attach` moves (or drops) them; every state says where its KV lives."""
+        self.pause()
+        states = []
+        for rid in rids:
+            inst = self._where.get(rid)
+            if inst is None:
+                raise KeyError(f"request {rid} is not live")
+            states += inst.detach([rid], keep_kv=keep_kv)
+            del self._where[rid]
+        return states
+
+    def attach(self, states: Seq[SequenceState], *, instance: int | None = None,
+               kv: str = "migrate") -> migration.MoveReport:
+        """Sequences join `instance` (default: the router). kv="migrate" copies their valid KV pages layer by
+        layer into its pool (a group's shared prompt pages once, sharing kept; sequences whose pages do not
+        fit recompute instead); kv="recompute" drops the KV and re-prefills prompt + generated tokens. The
+        source pages are released either way. Sampling continues at each state's own position."""
+        if kv not in KV_MODES:
+            raise ValueError(f"kv={kv!r}; valid choices: {', '.join(KV_MODES)}")
+        target = self._instance(instance)
+        sources = {i.index: migration.PoolSource(i.kv, i.sched.release) for i in self.instances}
+        report = migration.attach(list(states), target, sources, kv)
+        for st in states:
+            self._where[st.rid] = target
+        return report
+
+    def relayout(self, tp: int | Seq[int], instances: int | None = None, *, kv: str = "migrate",
+                 max_batch: int | None = None, num_pages: int | None = None,
+                 probe: Callable[[], None] | None = None) -> migration.RelayoutReport:
+        """Switch the instances to a new layout mid-generation: pause, move every live sequence and its KV,
+        reshard the weights layer by layer from the rollout copy, and resume (see `migration.relayout`).
+        `max_batch` per new instance defaults to keeping the total (old total / new count)."""
+        if kv not in KV_MODES:
+            raise ValueError(f"kv={kv!r}; valid choices: {', '.join(KV_MODES)}")
+        self.pause()
+        t0 = time.perf_counter()
+        groups = plan_layout(tp, instances, self.devices)
+        if max_batch is None:
+            max_batch = max(1, sum(i.max_batch for i in self.instances) // len(groups))
+        new, report = migration.relayout(self, groups, kv=kv, max_batch=max_batch, num_pages=num_pages, probe=probe)
+        self.instances = new
+        self._where = {rid: inst for inst in new for rid in inst.live_rids()}
+        report.seconds = time.perf_counter() - t0
+        return report
+
     def update_weights(self, weights: Weights) -> list:
         """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports."""
-        reports = []
+        reports, given = [], migration.buffers(weights)
         for inst in self.instances:
-            inst.weights, r = reshard(weights, self._shardings(inst.mesh))
+            inst.weights, r = self.place(weights, inst.mesh)
+            inst.external = migration.buffers(inst.weights) & given
             reports.append(r)
         return reports
 
+    # ------------------------------------------------------------------ stats
     def stats(self) -> list[dict]:
         return [i.stats() for i in self.instances]
 
+    def sequence_stats(self) -> list[dict]:
+        """One row per live sequence: request_id, instance, state (running/waiting), context_len,
+        prompt_len, generated, group, pages, preemptions, max_new_tokens."""
+        return [row for i in self.instances for row in i.sequence_stats()]
+
+    @property
+    def layout(self) -> list[int]:
+        """TP size of each instance, in order."""
+        return [i.tp for i in self.instances]
+
 
 def generate(cfg: ModelConfig, weights: Weights, prompts: Seq[Seq[int]], params: SamplingParams = SamplingParams(),
-             *, tp: int = 1, instances: int = 1, **service_kw) -> list[Completion]:
+             *, tp: int | Seq[int] = 1, instances: int | None = None, **service_kw) -> list[Completion]:
     """Generate for every prompt; returns completions in prompt order (`params.n` per prompt, adjacent)."""
     svc = RolloutService(cfg, weights, tp=tp, instances=instances, **service_kw)
     order = [rid for p in prompts for rid in svc.add(p, params)]

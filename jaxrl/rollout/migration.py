@@ -1,0 +1,199 @@
+"""Moving live sequences between instances (`attach`) and switching the instance layout (`relayout`).
+
+**attach.** Detached `SequenceState`s name the pages holding their KV in their source instance's pool.
+With kv="migrate" each group of states (a GRPO group's siblings together) gets one target page per
+*distinct* source page, so shared prompt pages move once and stay shared; the pages move layer by layer
+(`kv_store.move_pages`); the bytes sent are reported next to the `kv_store.move_bytes` prediction. A
+group whose pages do not fit the target's free pages recomputes instead (counted). kv="recompute"
+drops the KV: the sequence re-prefills prompt + generated tokens. Source pages are released either way.
+
+**relayout** (PAT's switch; any layout to any layout, uniform or not), in an order that bounds memory:
+  1. pause; detach every live sequence, keeping its pages;
+  2. stage the moved KV: each old pool's live pages gathered into compact [layers, n, ...] arrays on the
+     old devices (this is the only copy of KV that exists twice);
+  3. free the old pools, then every redundant weight copy (instances 1.. hold the same weights as 0);
+  4. reshard the weights layer by layer from the remaining rollout copy into each new instance, the last
+     copy consuming (donating) the source leaf by leaf;
+  5. build the new instances (pools sized by the memory budget of their layout) and attach the states,
+     groups to the least-loaded new instance, their staged pages moved layer by layer; free the staging.
+So live device memory never exceeds max(before, after) by more than the moved KV plus the transient of
+the leaf being moved (one layer of a stacked leaf plus, in the last copy, the rest of the source leaf
+until it is freed: bounded by the new pools whenever they are at least one leaf, as budget-sized pools
+are). A weight array sharing a buffer with an array the caller passed in (a device_put to an equivalent
+sharding aliases it) is never freed here.
+Executables come from the process-wide cache, so switching back to a layout used before compiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+
+import jax
+
+from sharding import Layout
+
+from .kv_store import KVStore, move_bytes, move_pages
+from .scheduler import SequenceState
+
+
+@dataclasses.dataclass
+class MoveReport:
+    migrated: int = 0           # sequences that kept their KV
+    recomputed: int = 0         # sequences that will re-prefill
+    pages_moved: int = 0        # distinct pages copied
+    kv_bytes: int = 0           # bytes the target devices received
+    kv_bytes_predicted: int = 0  # `move_bytes` before moving
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class RelayoutReport:
+    old_layout: list[int]
+    new_layout: list[int]
+    sequences: int
+    kv: MoveReport
+    weight_bytes: int           # bytes the new instances' devices received (`ReshardReport.bytes_moved`)
+    compiles: int = 0           # executables compiled by the switch itself (0: none; steps compile lazily)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class PoolSource:
+    """Where detached states' KV can be read: a live pool (page ids index it) or staged arrays (`rows`
+    maps a page id to its index in them), and how to release the states' references."""
+
+    kv: KVStore | tuple
+    release: Callable[[list[int]], None]
+    rows: dict[int, int] | None = None
+
+
+def _groups(states: list[SequenceState]) -> list[list[SequenceState]]:
+    """States by (source instance, sharing group), in first-seen order; a standalone state is its own group."""
+    out: dict = defaultdict(list)
+    for st in states:
+        key = (st.instance, st.group if st.group is not None and st.pages else ("solo", st.rid))
+        out[key].append(st)
+    return list(out.values())
+
+
+def attach(states: list[SequenceState], target, sources: dict[int, PoolSource], kv: str) -> MoveReport:
+    """Attach `states` to instance `target` (see module docstring); returns what moved."""
+    t0 = time.perf_counter()
+    target.pause()
+    rep = MoveReport()
+    plan: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    joins: list[tuple[list[SequenceState], dict | None]] = []
+    moved: list[SequenceState] = []           # source references to release once their pages are copied
+    for grp in _groups(states):
+        src = sources.get(grp[0].instance) if grp[0].instance is not None else None
+        page_map = None
+        if kv == "migrate" and src is not None and grp[0].pages:
+            distinct = list(dict.fromkeys(p for st in grp for p in st.pages))
+            if grp[0].instance == target.index and src.rows is None:     # back where it was: nothing moves
+                page_map = {p: p for p in distinct}
+            elif len(distinct) <= target.pool.available:
+                dst = target.pool.alloc(len(distinct))
+                page_map = dict(zip(distinct, dst))
+                holders = Counter(p for st in grp for p in st.pages)   # one reference per holder, as before
+                target.pool.share([page_map[p] for p, n in holders.items() for _ in range(n - 1)])
+                plan[grp[0].instance][0].extend(distinct)
+                plan[grp[0].instance][1].extend(dst)
+                moved += grp
+        if page_map is None:
+            if src is not None:
+                for st in grp:
+                    src.release(list(st.pages))
+            rep.recomputed += len(grp)
+        else:
+            rep.migrated += len(grp)
+        joins.append((grp, page_map))
+    for src_index, (pages, dst) in plan.items():
+        src = sources[src_index]
+        rows = [src.rows[p] for p in pages] if src.rows is not None else pages
+        rep.kv_bytes_predicted += move_bytes(len(pages), src.kv, target.kv)
+        target.kv, sent = move_pages(src.kv, rows, target.kv, dst)
+        rep.kv_bytes += sent
+        rep.pages_moved += len(pages)
+    for st in moved:
+        sources[st.instance].release(list(st.pages))
+    for grp, page_map in joins:
+        target.sched.attach(grp, page_map)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def buffers(tree) -> set[int]:
+    """Device buffer addresses of every shard of every live leaf (to tell aliased arrays apart)."""
+    return {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) if not x.is_deleted()
+            for s in x.addressable_shards}
+
+
+def _delete(tree, keep: set[int]):
+    """Free every leaf none of whose buffers is in `keep` (aliases of arrays someone else still holds)."""
+    for x in jax.tree.leaves(tree):
+        if not x.is_deleted() and not buffers(x) & keep:
+            x.delete()
+
+
+def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int | None,
+             probe: Callable[[], None] | None = None):
+    """Rebuild `svc`'s instances on the device `groups` (see module docstring). Returns (instances, report)."""
+    probe = probe or (lambda: None)
+    old = svc.instances
+    compiles0 = old[0].executor.cache.compiles
+    states = [inst.detach(inst.live_rids(), keep_kv=kv == "migrate") for inst in old]
+    sources: dict[int, PoolSource] = {}
+    if kv == "migrate":                                         # 2. stage the live KV
+        for inst, sts in zip(old, states):
+            pages = list(dict.fromkeys(p for st in sts for p in st.pages))
+            if pages:
+                sources[inst.index] = PoolSource(inst.kv.take(pages), lambda _: None,
+                                                 {p: r for r, p in enumerate(pages)})
+                probe()
+    for inst in old:                                            # 3. free old pools and redundant weights
+        inst.kv.delete()
+    probe()
+    src_w, external = old[0].weights, old[0].external
+    src_buf = buffers(src_w)
+    for inst in old[1:]:
+        _delete(inst.weights, src_buf | inst.external)
+    probe()
+    new, weight_bytes, held = [], 0, set()
+    for j, devs in enumerate(groups):                           # 4. weights, 5. instances
+        mesh = Layout(tp=len(devs)).make_mesh(devs)
+        keep = external | held                                   # buffers someone else still needs
+        last = j == len(groups) - 1
+        w, r = svc.place(src_w, mesh, progress=probe, donate=(lambda x: not buffers(x) & keep) if last else False)
+        mine = buffers(w)
+        held |= mine
+        weight_bytes += r.bytes_moved
+        inst = svc.build_instance(j, mesh, w, max_batch=max_batch, num_pages=num_pages)
+        inst.external = mine & external
+        new.append(inst)
+        probe()
+    _delete(src_w, external | held)
+    probe()
+    load = [0] * len(new)                                       # groups to the least-loaded new instance
+    assigned: list[list[SequenceState]] = [[] for _ in new]
+    everything = sorted((st for sts in states for st in sts), key=lambda st: st.rid)
+    for grp in _groups(everything):
+        j = min(range(len(new)), key=lambda i: (load[i], i))
+        assigned[j] += grp
+        load[j] += sum(st.context_len for st in grp)
+    rep = MoveReport()
+    for inst, sts in zip(new, assigned):
+        if sts:
+            r = attach(sts, inst, sources, kv)
+            for f in ("migrated", "recomputed", "pages_moved", "kv_bytes", "kv_bytes_predicted"):
+                setattr(rep, f, getattr(rep, f) + getattr(r, f))
+            probe()
+    for src in sources.values():
+        for x in src.kv:
+            x.delete()
+    probe()
+    report = RelayoutReport([i.tp for i in old], [i.tp for i in new], len(everything), rep, weight_bytes,
+                            compiles=new[0].executor.cache.compiles - compiles0)
+    return new, report

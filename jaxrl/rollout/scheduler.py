@@ -1,0 +1,400 @@
+"""The host scheduler of one rollout instance: admission, pages, prefix sharing, preemption, retirement.
+
+Pure Python (numpy only builds the step inputs; no JAX), so its state is plain values: every live
+sequence can leave as a `SequenceState` and continue on another instance or layout, the whole scheduler
+can be snapshotted and restored, and a simulator can drive it without devices. The device work it plans
+(prefill chunks, page copies, decode steps) is run by the instance's executor.
+
+Per step (see `Instance.launch`):
+  1. `admit`: waiting sequences (FCFS) while their pages fit and the batch has room; a GRPO group of n
+     fresh samples is admitted together and prefilled once (prefix sharing);
+  2. `prefill_batches`: chunks of admitted prompts (positions [computed, len-1)), one batched call each;
+     `fork` then links siblings to the leader's full prompt pages and copies the page holding the last
+     prompt position (copy-on-write);
+  3. `ensure_pages`: every running sequence owns the page its next position lands in; when the pool is
+     empty the most recently admitted sequence is preempted (pages freed, recomputed later; counted);
+  4. `decode_batch`: the running set, padded to a power-of-two batch bucket; `take_tokens` appends what
+     the device sampled and retires finished sequences at once.
+
+A sequence may hold KV pages while waiting (attached with migrated KV when the running batch was full):
+admission then only allocates what it still lacks, and prefill starts at its `computed` position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+
+import numpy as np
+
+from .pages import PagePool
+from .params import SamplingParams
+
+
+def fine_bucket(n: int) -> int:
+    """Round up to a multiple of 2^(bits(n)-3): at most 25% padding and 4 shapes (compiles) per octave."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-max(n, 1) // step) * step
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    b = 1 << max(0, (n - 1).bit_length())
+    return b if cap is None else min(b, max(cap, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceState:
+    """One live sequence as a value: what it is, how far it got, and where its KV lives.
+
+    `pages` are page ids in the pool of instance `instance` holding the K/V of positions [0, computed)
+    (empty: no KV anywhere, the sequence recomputes it). The sampling position (the index folded into
+    the request's seed for its next token) is `len(tokens)`, so a moved sequence samples exactly what it
+    would have sampled where it was.
+    """
+
+    rid: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    group: int | None
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    preemptions: int = 0
+    computed: int = 0
+    pages: tuple[int, ...] = ()
+    instance: int | None = None
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def sampling_step(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """The scheduler's mutable record of a live sequence."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    group: int | None = None              # shared-prefix group id (None: standalone)
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0                     # positions whose K/V are in the cache
+    preemptions: int = 0
+    pending: int = 0                      # tokens dispatched but not yet read back (0 or 1)
+    done: bool = False                    # retired or aborted: unread tokens are discarded
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    def __len__(self):
+        return len(self.prompt) + len(self.out)
+
+    def state(self, instance: int | None = None) -> SequenceState:
+        return SequenceState(self.rid, tuple(self.prompt), self.params, self.seed, self.group, tuple(self.out),
+                             tuple(self.logprobs), self.preemptions, self.computed if self.pages else 0,
+                             tuple(self.pages), instance if self.pages else None)
+
+    @classmethod
+    def from_state(cls, st: SequenceState, pages: list[int] | None = None) -> "Sequence":
+        """A record for `st`; with `pages` (ids in the new pool holding its KV) it keeps `st.computed`."""
+        return cls(st.rid, list(st.prompt), st.params, st.seed, st.group, list(st.tokens), list(st.logprobs),
+                   list(pages or []), st.computed if pages else 0, st.preemptions)
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+    """One prefill call: row i holds positions start[i] .. start[i]+n_valid[i]-1 of seqs[i]."""
+
+    seqs: list[Sequence]
+    tokens: np.ndarray       # [rows, width] int32
+    start: np.ndarray        # [rows]
+    n_valid: np.ndarray      # [rows]
+    table: np.ndarray        # [rows, max_pages]
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    """One decode step over `seqs` (rows beyond len(seqs) are padding on the scratch page)."""
+
+    seqs: list[Sequence]
+    tokens: np.ndarray       # [rows] input tokens known on the host
+    positions: np.ndarray    # [rows]
+    src: np.ndarray          # [rows] row of the previous step whose output is the input (-1: use tokens)
+    table: np.ndarray        # [rows, max_pages]
+    sampling: list[tuple[SamplingParams, int, int]]   # (params, seed, step) per real row
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSnapshot:
+    """Everything a scheduler holds, as values (take it with nothing in flight)."""
+
+    free_pages: tuple[int, ...]
+    page_refs: tuple[int, ...]
+    waiting: tuple[SequenceState, ...]
+    running: tuple[SequenceState, ...]
+    preemptions: int
+    generated: int
+
+
+class Scheduler:
+    def __init__(self, num_pages: int, page_size: int, *, max_batch: int = 64, prefill_chunk: int = 256,
+                 prefill_tokens: int = 8192, prefix_sharing: bool = True):
+        self.pool = PagePool(num_pages, page_size)
+        self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
+        self.prefill_tokens = max(prefill_tokens, prefill_chunk)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = self.generated = 0
+
+    # ------------------------------------------------------------------ requests
+    def check_fits(self, seqs: list[Sequence]):
+        need = self.pool.pages_for(max(len(s.prompt) for s in seqs) + seqs[0].params.max_new_tokens)
+        if need > self.pool.capacity:
+            raise ValueError(f"request {seqs[0].rid}: prompt {len(seqs[0].prompt)} + max_new_tokens "
+                             f"{seqs[0].params.max_new_tokens} needs {need} pages; the pool has {self.pool.capacity}")
+
+    def add(self, seqs: list[Sequence]):
+        self.check_fits(seqs)
+        self.waiting.extend(seqs)
+
+    def find(self, rid: int) -> Sequence | None:
+        return next((s for s in itertools.chain(self.waiting, self.running) if s.rid == rid), None)
+
+    def remove(self, s: Sequence, *, free: bool = True):
+        """Take `s` out of its queue; with `free` its pages return to the pool."""
+        (self.waiting if s in self.waiting else self.running).remove(s)
+        if free:
+            self.pool.free(s.pages)
+            s.pages = []
+        s.done = True
+
+    @property
+    def load(self) -> int:
+        return sum(len(s) for s in itertools.chain(self.waiting, self.running))
+
+    @property
+    def live(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)
+
+    # ------------------------------------------------------------------ one step's plan
+    def admit(self) -> list[list[Sequence]]:
+        """Admit waiting sequences (FCFS); each entry is a group sharing one prefill (its leader first)."""
+        admitted = []
+        while self.waiting:
+            head = self.waiting[0]
+            group = [s for s in self.waiting if head.group is not None and s.group == head.group
+                     and s.computed == 0 and not s.out and not s.pages] if self.prefix_sharing else []
+            group = group or [head]
+            if len(self.running) + sum(map(len, admitted)) + len(group) > self.max_batch:
+                break
+            per_seq = self.pool.pages_for(len(head))
+            shared = (len(head.prompt) - 1) // self.pool.page_size if len(group) > 1 else 0
+            need = per_seq - len(head.pages) + (len(group) - 1) * (per_seq - shared)
+            if need > self.pool.available:
+                if self.running or admitted or not self._evict_waiting_kv(need):
+                    break
+                continue
+            for s in group:
+                self.waiting.remove(s)
+            head.pages += self.pool.alloc(per_seq - len(head.pages))
+            for s in group[1:]:                # own pages now; the shared prefix is linked in `fork`
+                s.pages = self.pool.alloc(per_seq - shared)
+            admitted.append(group)
+        return admitted
+
+    def _evict_waiting_kv(self, need: int) -> bool:
+        """Nothing runs and the head cannot fit: drop KV held by waiting sequences (newest first) so it can."""
+        for s in reversed(self.waiting):
+            if self.pool.available >= need:
+                break
+            if s.pages and s is not self.waiting[0]:
+                self.pool.free(s.pages)
+                s.pages, s.computed = [], 0
+        return self.pool.available >= need
+
+    def prefill_batches(self, seqs: list[Sequence]):
+        """Yield the prefill calls that bring every sequence to `computed == len - 1` (advancing as it goes)."""
+        C = self.prefill_chunk
+        while True:
+            todo = [s for s in seqs if s.computed < len(s) - 1]
+            if not todo:
+                return
+            width = bucket(min(C, max(len(s) - 1 - s.computed for s in todo)))
+            todo = todo[:max(1, self.prefill_tokens // width)]
+            rows, mp = bucket(len(todo)), bucket(max(len(s.pages) for s in todo))
+            b = PrefillBatch(todo, np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
+                             np.zeros(rows, np.int32), np.zeros((rows, mp), np.int32))
+            for i, s in enumerate(todo):
+                n = min(width, len(s) - 1 - s.computed)
+                b.tokens[i, :n] = s.tokens[s.computed:s.computed + n]
+                b.start[i], b.n_valid[i] = s.computed, n
+                b.table[i, :len(s.pages)] = s.pages
+                s.computed += n
+            yield b
+
+    def fork(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Siblings share the leader's full prompt pages; returns the (src, dst) page copies to run (the
+        page with the last prompt position, copied into each sibling's first own page)."""
+        head = group[0]
+        last = (len(head.prompt) - 1) // self.pool.page_size
+        copies = []
+        for s in group[1:]:
+            own = s.pages
+            s.pages = self.pool.share(head.pages[:last]) + own
+            copies.append((head.pages[last], own[0]))
+            s.computed = head.computed
+        return copies
+
+    def start(self, groups: list[list[Sequence]]):
+        for g in groups:
+            self.running.extend(g)
+
+    def _preempt(self) -> Sequence:
+        victim = self.running.pop()            # most recently admitted
+        self.pool.free(victim.pages)
+        victim.pages, victim.computed, victim.group = [], 0, None
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    @staticmethod
+    def next_len(s: Sequence) -> int:
+        """Tokens of `s` once its in-flight token lands (the next step feeds position this - 1)."""
+        return len(s) + s.pending
+
+    @staticmethod
+    def decodes_next(s: Sequence) -> bool:
+        return len(s.out) + s.pending < s.params.max_new_tokens
+
+    def shortfall(self) -> int:
+        """Pages the running set needs for its next step beyond those free now."""
+        short = sum(max(0, self.pool.pages_for(self.next_len(s)) - len(s.pages))
+                    for s in self.running if self.decodes_next(s))
+        return max(0, short - self.pool.available)
+
+    def ensure_pages(self):
+        """Give every running sequence the page its next position lands in, preempting when out of pages.
+        The caller drains in-flight steps first when `shortfall()` > 0 (victims must have nothing unread)."""
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            while self.decodes_next(s) and self.pool.pages_for(self.next_len(s)) > len(s.pages):
+                if self.pool.available == 0:
+                    if self._preempt() is s:
+                        break
+                    continue
+                s.pages += self.pool.alloc(1)
+            else:
+                i += 1
+
+    def decode_batch(self, prev: list[Sequence] | None = None) -> DecodeBatch | None:
+        """The next decode step's inputs (None when nothing decodes). `prev` is the batch of the step still
+        in flight: a sequence with a pending token takes it from that step's output row on the device."""
+        seqs = [s for s in self.running if self.decodes_next(s)]
+        if not seqs:
+            return None
+        # Batch rows: power-of-two buckets. Page-table width: finer buckets, because the XLA decode path
+        # gathers (and attends over) every page slot of every row, each layer, each step.
+        rows, mp = bucket(len(seqs)), fine_bucket(max(len(s.pages) for s in seqs))
+        b = DecodeBatch(seqs, np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full(rows, -1, np.int32),
+                        np.zeros((rows, mp), np.int32), [])
+        prev_rows = {id(s): i for i, s in enumerate(prev or [])}
+        for i, s in enumerate(seqs):
+            b.positions[i] = self.next_len(s) - 1
+            if s.pending:
+                b.src[i] = prev_rows[id(s)]     # the token is the previous step's output, still on the device
+            else:
+                b.tokens[i] = s.tokens[-1]
+            b.table[i, :len(s.pages)] = s.pages
+            b.sampling.append((s.params, s.seed, len(s.out) + s.pending))
+        for s in seqs:
+            s.pending += 1
+        return b
+
+    def take_tokens(self, seqs: list[Sequence], tok: np.ndarray, logp: np.ndarray) -> list[tuple[Sequence, str]]:
+        """Append a step's sampled tokens; returns the sequences that finished with their reason (their
+        pages are still held: `retire` frees them once the caller has read what it needs)."""
+        done = []
+        for i, s in enumerate(seqs):
+            s.pending -= 1
+            if s.done:                    # aborted, or stopped at an earlier step: discard
+                continue
+            s.computed = len(s)           # the fed token's K/V is now cached
+            s.out.append(int(tok[i]))
+            s.logprobs.append(float(logp[i]))
+            self.generated += 1
+            if s.out[-1] in s.params.stop_token_ids:
+                done.append((s, "stop"))
+            elif len(s.out) >= s.params.max_new_tokens:
+                done.append((s, "length"))
+        for s, _ in done:
+            self.running.remove(s)
+            s.done = True
+        return done
+
+    def retire(self, s: Sequence):
+        self.pool.free(s.pages)
+        s.pages = []
+
+    # ------------------------------------------------------------------ movable state
+    def detach(self, rids, *, keep_kv: bool = True, instance: int | None = None) -> list[SequenceState]:
+        """Live sequences leave (none may have a token in flight). With `keep_kv` their pages stay held
+        (reference counts kept, shared prompt pages included) until the caller `release`s them after
+        moving the KV; otherwise they are freed at once and the states carry no KV."""
+        out = []
+        for rid in rids:
+            s = self.find(rid)
+            if s is None:
+                raise KeyError(f"request {rid} is not live on this instance")
+            if s.pending:
+                raise RuntimeError(f"request {rid} has a token in flight; pause (drain) before detaching")
+            if not keep_kv:
+                self.pool.free(s.pages)
+                s.pages, s.computed = [], 0
+            st = s.state(instance)
+            self.remove(s, free=False)
+            out.append(st)
+        return out
+
+    def release(self, pages) -> None:
+        """Drop the references detached states held on this pool's pages."""
+        self.pool.free(list(pages))
+
+    def attach(self, states: list[SequenceState], page_map: dict[int, int] | None = None) -> list[Sequence]:
+        """Sequences join: with `page_map` (old page id -> page id in this pool, pages already allocated here
+        and holding the migrated KV, shared pages once) they keep their KV and run at once while the batch
+        has room (then wait, holding it); without, they wait and recompute (prompt + generated tokens)."""
+        seqs = []
+        for st in states:
+            pages = [page_map[p] for p in st.pages] if page_map is not None and st.pages else None
+            s = Sequence.from_state(st, pages)
+            if pages and len(self.running) < self.max_batch:
+                self.running.append(s)
+            else:
+                self.waiting.append(s)
+            seqs.append(s)
+        return seqs
+
+    def snapshot(self) -> SchedulerSnapshot:
+        if any(s.pending for s in self.running):
+            raise RuntimeError("snapshot with a step in flight; pause (drain) first")
+        return SchedulerSnapshot(tuple(self.pool._free), tuple(self.pool._refs), tuple(s.state() for s in self.waiting),
+                                 tuple(s.state() for s in self.running), self.preemptions, self.generated)
+
+    def restore(self, snap: SchedulerSnapshot):
+        if len(snap.page_refs) != self.pool.num_pages:
+            raise ValueError(f"snapshot of a {len(snap.page_refs)}-page pool; this pool has {self.pool.num_pages}")
+        self.pool._free, self.pool._refs = list(snap.free_pages), list(snap.page_refs)
+        self.waiting = deque(Sequence.from_state(st, list(st.pages) or None) for st in snap.waiting)
+        self.running = [Sequence.from_state(st, list(st.pages) or None) for st in snap.running]
+        self.preemptions, self.generated = snap.preemptions, snap.generated
