@@ -243,6 +243,65 @@ def test_aggregation_overrides_and_microbatch_additivity():
         close(parts, whole)
 
 
+def _old_trainer_weights(agg, lengths, *, global_tokens, global_seqs, max_new_tokens):
+    """The trainer's float64 weights before the registry defined them (reference twin, copied verbatim)."""
+    lengths = np.maximum(np.asarray(lengths), 1)
+    if agg == "token-mean":
+        return np.full(len(lengths), 1.0 / max(global_tokens, 1))
+    if agg == "seq-mean-token-mean":
+        return 1.0 / (max(global_seqs, 1) * lengths)
+    if agg == "seq-mean-token-sum":
+        return np.full(len(lengths), 1.0 / max(global_seqs, 1))
+    if agg == "seq-mean-token-sum-norm":
+        return np.full(len(lengths), 1.0 / (max(global_seqs, 1) * max_new_tokens))
+    raise ValueError(agg)
+
+
+@pytest.mark.parametrize("agg", list(algos.AGGREGATIONS))
+def test_token_weights_over_denominator_equal_aggregate(agg):
+    """One definition per mode: Σ w·x / D (unnormalised weights), Σ folded·x and aggregate(x, mask) agree;
+    the folded float64 weights are bit-for-bit the trainer's historical expressions."""
+    rng = np.random.default_rng(7)
+    lens = np.array([3, 1, 7, 5, 8, 2])
+    T = 8
+    x = rng.normal(size=(len(lens), T)).astype(np.float32)
+    mask = (np.arange(T)[None] < lens[:, None]).astype(np.float32)
+    w, which = algos.token_weights(agg, lens, T)
+    assert which == algos.AGGREGATIONS[agg].denominator and which in ("tokens", "sequences")
+    D = int(lens.sum()) if which == "tokens" else len(lens)
+    want = float(algos.aggregate(x, mask, agg, norm_len=T))
+    assert float(np.sum(w[:, None] * x * mask)) / D == pytest.approx(want, rel=1e-6)
+    folded = algos.folded_token_weights(agg, lens, T, denominator=D)
+    assert folded.dtype == np.float64
+    assert float(np.sum(folded[:, None] * x * mask)) == pytest.approx(want, rel=1e-6)
+    old = _old_trainer_weights(agg, lens, global_tokens=int(lens.sum()), global_seqs=len(lens), max_new_tokens=T)
+    assert np.array_equal(folded, old)
+    # micro-batch additivity through the weights: any split of the rows sums to the whole
+    parts = sum(float(np.sum(w[i:i + 2, None] * x[i:i + 2] * mask[i:i + 2])) for i in range(0, len(lens), 2))
+    assert parts / D == pytest.approx(want, rel=1e-6)
+
+
+def test_register_aggregation_mode():
+    with pytest.raises(ValueError, match="already registered"):
+        algos.register_aggregation("token-mean", denominator="tokens")(lambda lengths, norm_len: lengths)
+    with pytest.raises(ValueError, match="valid choices: tokens, sequences"):
+        algos.register_aggregation("_test_bad", denominator="rows")(lambda lengths, norm_len: lengths)
+    assert "_test_bad" not in algos.AGGREGATIONS
+
+    @algos.register_aggregation("_test_sqrt_len", denominator="sequences")
+    def _sqrt_len(lengths, norm_len):
+        """1/G Σ_i Σ_t ℓ_i,t / sqrt|o_i| (a test mode)."""
+        return lengths ** 0.5
+
+    try:
+        close(algos.aggregate(X, MASK, "_test_sqrt_len"), (6 / np.sqrt(3) + 5) / 2)
+        w, which = algos.token_weights("_test_sqrt_len", [3, 1], 4)
+        close(w, [1 / np.sqrt(3), 1.0])
+        assert which == "sequences"
+    finally:
+        del algos.AGGREGATIONS["_test_sqrt_len"]
+
+
 def test_entropy_bonus():
     close(algos.entropy_bonus(X, MASK), 11 / 4)
     close(algos.entropy_bonus(X, MASK, agg="seq-mean-token-mean"), 3.5)

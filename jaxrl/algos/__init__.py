@@ -8,6 +8,7 @@ in its config and the trainer (orchestration, `jaxrl/train`) stays free of the m
     adv = algos.compute_advantages("grpo", rewards=r.reshape(P, G), mask=mask)
     pg, metrics = algos.policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28)
     loss = pg + beta * algos.kl_loss(logp, ref_logp, mask, kind="k3")
+    w, which = algos.token_weights("token-mean", lengths, max_new_tokens)   # Σ w·ℓ / D == aggregate(ℓ)
 
 String arguments (`agg`, `kind`, estimator names) and `None`-able switches (`clip_high`,
 `dual_clip`, `kl`, `clip`) choose code paths: keep them static under `jax.jit`.
@@ -16,16 +17,17 @@ String arguments (`agg`, `kind`, estimator names) and `None`-able switches (`cli
 from .advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, dr_grpo_advantages, gae_advantages,
                          grpo_advantages, outcome_token_rewards, register_advantage, reinforce_pp_advantages,
                          rloo_advantages)
-from .aggregation import AGGREGATIONS, aggregate, register_aggregation
+from .aggregation import (AGGREGATIONS, Aggregation, aggregate, folded_token_weights, register_aggregation,
+                          token_weights)
 from .kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from .losses import entropy_bonus, kl_loss, policy_loss, ppo_clip_token_loss, value_loss
 from .masked import broadcast_sequence, last_token_mask, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "Aggregation", "KL_ESTIMATORS",
     "aggregate", "broadcast_sequence", "compute_advantages", "dr_grpo_advantages", "entropy_bonus",
-    "gae_advantages", "grpo_advantages", "kl_loss", "kl_penalty", "last_token_mask", "masked_mean",
-    "masked_sum", "masked_var", "masked_whiten", "outcome_token_rewards", "policy_loss",
+    "folded_token_weights", "gae_advantages", "grpo_advantages", "kl_loss", "kl_penalty", "last_token_mask",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "outcome_token_rewards", "policy_loss",
     "ppo_clip_token_loss", "register_advantage", "register_aggregation", "register_kl_estimator",
-    "reinforce_pp_advantages", "rloo_advantages", "value_loss",
+    "reinforce_pp_advantages", "rloo_advantages", "token_weights", "value_loss",
 ]

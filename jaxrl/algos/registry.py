@@ -1,4 +1,5 @@
-"""The one registry mechanism behind ADVANTAGE_ESTIMATORS, AGGREGATIONS and KL_ESTIMATORS."""
+"""The registry mechanism behind ADVANTAGE_ESTIMATORS and KL_ESTIMATORS (`lookup` serves AGGREGATIONS too,
+whose entries are `Aggregation` records registered by `aggregation.register_aggregation`)."""
 
 from __future__ import annotations
 

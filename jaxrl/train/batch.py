@@ -7,11 +7,11 @@ marks the response tokens (the prompt's last token predicts the first response t
 response token predicts nothing).
 
 Loss aggregation is expressed as per-token weights so that `loss = sum(w * token_loss)` is exact
-whatever the packing, micro-batching or number of processes (one mechanism, no special cases):
-  token-mean               w = 1 / (response tokens in the global batch)            (DAPO)
-  seq-mean-token-mean      w = 1 / (sequences * this sequence's response tokens)     (GRPO)
-  seq-mean-token-sum       w = 1 / sequences
-  seq-mean-token-sum-norm  w = 1 / (sequences * max_new_tokens)                      (Dr. GRPO)
+whatever the packing, micro-batching or number of processes (one mechanism, no special cases). The
+weights come from the `jaxrl.algos` aggregation registry, the one definition of each mode
+(`algos.token_weights`: unnormalised w_i = 1/q_i and the denominator kind;
+`algos.folded_token_weights`: 1/(D·q_i), what the synchronous trainer packs; see
+`jaxrl.train.rl.batch_weights`). `pack` takes them per sequence and casts them to float32.
 """
 
 from __future__ import annotations
@@ -31,20 +31,6 @@ class Sample:
 
 
 FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages", "weights")
-
-
-def token_weights(agg: str, lengths: np.ndarray, *, global_tokens: int, global_seqs: int, max_new_tokens: int):
-    """Per-sequence token weight for each aggregation (see module docstring)."""
-    lengths = np.maximum(np.asarray(lengths), 1)
-    if agg == "token-mean":
-        return np.full(len(lengths), 1.0 / max(global_tokens, 1))
-    if agg == "seq-mean-token-mean":
-        return 1.0 / (max(global_seqs, 1) * lengths)
-    if agg == "seq-mean-token-sum":
-        return np.full(len(lengths), 1.0 / max(global_seqs, 1))
-    if agg == "seq-mean-token-sum-norm":
-        return np.full(len(lengths), 1.0 / (max(global_seqs, 1) * max_new_tokens))
-    raise ValueError(f"unknown aggregation {agg!r}")
 
 
 def row_bucket(n: int) -> int:

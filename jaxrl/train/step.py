@@ -1,16 +1,43 @@
-"""The jitted pieces of a training update: per-token log-probs, the RL loss, and the optimizer step.
+"""The jitted pieces of a training update: per-token log-probs, the RL loss, gradients, and the update.
 
-Log-probs come from the model's final hidden states through `kernels.logprobs.token_logprobs`
-(chunked vocabulary projection with a custom VJP), so no [tokens, vocab] logits are materialised.
-The loss is `sum(weights * token_loss)` with the aggregation folded into the host-computed weights
-(`jaxrl.train.batch`), so micro-batch accumulation is an exact sum. A non-finite loss or gradient
-norm skips the update: params and optimizer state are returned untouched and `skipped` is 1.
+Gradients and the update are separate steps (ARCHITECTURE.md, "Gradients and the update are separate
+steps"):
+
+    grad_step(params, micro_batch)                     -> (grad_sums, stats_sums)       make_grad_step
+    apply_update(params, opt_state, grad_sums, denominator, stats_sums)
+                                                       -> (params, opt_state, metrics)  make_apply_update
+    train_step(params, opt_state, batch, denominator)  -> (params, opt_state, metrics)  make_train_step
+
+`grad_step` differentiates the *unnormalised* sum Σ weights · token_loss · mask of one micro-batch;
+its per-token `weights` come from the `jaxrl.algos` aggregation registry
+(`algos.token_weights`: w_i = 1/q_i per sequence, plus which denominator — tokens or sequences — the
+mode divides by). Sums add exactly over micro-batches, blocks, streamed arrivals and device groups
+(`sum_onto`), so `apply_update` divides the summed gradients (and the loss sum) by the final
+denominator once, takes the global norm, skips a non-finite update (params and optimizer state come
+back untouched and `skipped` is 1), and applies the optax update.
+
+Streamed/blockwise callers pass unnormalised weights and the final denominator; the synchronous
+step folds it (bitwise today's update): the synchronous trainer knows the global denominator before
+the update, so it builds the weights with the denominator folded in on the host
+(`algos.folded_token_weights`, float64, the expressions the trainer has always used) and passes
+denominator 1.0 (x / 1.0 is exact). `make_train_step` is the fused form the trainer runs: a `lax.scan`
+of the same gradient computation over micro-batches, then the same update code, bitwise equal to
+grad_step per micro-batch + sum + apply_update.
+
+The loss composes the `jaxrl.algos` registry: the clipped policy term (`algos.ppo_clip_token_loss`),
+a KL term to the reference policy (`algos.kl_penalty` with the configured estimator), an entropy
+bonus, and the aggregation through the registry's weights. Kind "sft" is the negative
+log-likelihood (the supervised warm start). Log-probs come from the model's final hidden states
+through `kernels.logprobs.token_logprobs` (chunked vocabulary projection with a custom VJP), so no
+[tokens, vocab] logits are materialised. `LossSpec.remat` / `attention_impl` are passed to the train
+forward (`models.forward`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,42 +46,60 @@ import optax
 from jaxrl import algos
 from kernels.logprobs import token_logprobs
 from models import ModelConfig, forward, lm_head
+from models.forward import ATTENTION_IMPLS, REMAT_POLICIES
+
+LOSS_KINDS = ("rl", "sft")
+STATS = ("loss", "tokens", "entropy", "kl", "clipped", "nll")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """Static (hashable) loss hyper-parameters."""
+    """Static (hashable) loss hyper-parameters and train-forward options."""
 
     kind: str = "rl"                 # "rl" (clipped policy gradient) or "sft" (negative log-likelihood)
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"         # a name in algos.KL_ESTIMATORS
     entropy_coef: float = 0.0
     temperature: float = 1.0
+    remat: str = "none"              # models.forward.REMAT_POLICIES
+    attention_impl: str = "xla"      # models.forward.ATTENTION_IMPLS
+
+    def __post_init__(self):
+        for name, choices in (("kind", LOSS_KINDS), ("kl_estimator", tuple(algos.KL_ESTIMATORS)),
+                              ("remat", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"LossSpec.{name}={getattr(self, name)!r}; valid choices: {', '.join(choices)}")
 
 
-def token_logp(params, cfg: ModelConfig, batch, temperature: float = 1.0):
+def token_logp(params, cfg: ModelConfig, batch, temperature: float = 1.0, *, remat: str = "none",
+               attention_impl: str = "xla"):
     """log p(targets) and entropy per token [R, L] for a packed batch."""
     h = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                return_hidden=True)
-    return token_logprobs(h, lm_head(params), batch["targets"], temperature=temperature)
+                return_hidden=True, attention_impl=attention_impl, remat=remat)
+    return token_logprobs(h, lm_head(params), batch["targets"], temperature=temperature, valid_vocab=cfg.vocab_size)
 
 
-def make_logprob_fn(cfg: ModelConfig, temperature: float):
-    """Jitted `(params, batch) -> logp [R, L]` (old-policy and reference log-probs)."""
-    return jax.jit(lambda params, batch: token_logp(params, cfg, batch, temperature)[0])
+def make_logprob_fn(cfg: ModelConfig, spec: LossSpec):
+    """Jitted `(params, batch) -> logp [R, L]` (old-policy and reference log-probs; no backward, so
+    `spec.remat` does not apply)."""
+    return jax.jit(lambda params, batch: token_logp(params, cfg, batch, spec.temperature,
+                                                    attention_impl=spec.attention_impl)[0])
 
 
-def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
-    logp, ent = token_logp(params, cfg, mb, spec.temperature)
-    mask, w = mb["loss_mask"].astype(jnp.float32), mb["weights"]
+def token_loss(logp, ent, mb, spec: LossSpec):
+    """Per-token loss [R, L] and its parts ("kl", "clipped") from the `jaxrl.algos` registry.
+
+    rl:  ℓ = ppo_clip(ρ, A) + β·KL_est(logp, ref_logp) − c_H·H, with ρ = exp(logp − old_logp)
+         (ρ = 1 on-policy: `old_logp` absent means the current log-probs, without gradient).
+    sft: ℓ = −logp (+ the same KL / entropy terms when their coefficients are set).
+    """
     if spec.kind == "sft":
-        tok = -logp
-        clipped = jnp.zeros_like(mask)
+        tok, clipped = -logp, jnp.zeros_like(logp)
     else:
-        old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)  # on-policy: ratio == 1
+        old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)   # on-policy: ratio == 1
         ratio = jnp.exp(logp - old)
         tok, clipped, _ = algos.ppo_clip_token_loss(ratio, mb["advantages"], clip_low=spec.clip_low,
                                                     clip_high=spec.clip_high, dual_clip=spec.dual_clip)
@@ -64,37 +109,99 @@ def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
         tok = tok + spec.kl_coef * kl
     if spec.entropy_coef:
         tok = tok - spec.entropy_coef * ent
+    return tok, {"kl": kl, "clipped": clipped}
+
+
+def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
+    """(Σ weights · ℓ · mask, stats sums) of one micro-batch; the weights carry the aggregation."""
+    logp, ent = token_logp(params, cfg, mb, spec.temperature, remat=spec.remat, attention_impl=spec.attention_impl)
+    mask, w = mb["loss_mask"].astype(jnp.float32), mb["weights"]
+    tok, parts = token_loss(logp, ent, mb, spec)
     loss = jnp.sum(w * tok * mask)
-    sums = {"loss": loss, "tokens": jnp.sum(mask), "entropy": jnp.sum(ent * mask), "kl": jnp.sum(kl * mask),
-            "clipped": jnp.sum(clipped * mask), "nll": -jnp.sum(logp * mask)}
+    sums = {"loss": loss, "tokens": jnp.sum(mask), "entropy": jnp.sum(ent * mask),
+            "kl": jnp.sum(parts["kl"] * mask), "clipped": jnp.sum(parts["clipped"] * mask),
+            "nll": -jnp.sum(logp * mask)}
     return loss, sums
 
 
-def make_train_step(cfg: ModelConfig, spec: LossSpec, tx: optax.GradientTransformation, micro_batches: int):
-    """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; batch rows split into
-    `micro_batches` accumulated by `lax.scan`. params/opt_state are donated."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg=cfg, spec=spec), has_aux=True)
+def _grads(params, mb, acc=None, *, cfg: ModelConfig, spec: LossSpec):
+    (_, sums), g = jax.value_and_grad(functools.partial(loss_fn, cfg=cfg, spec=spec), has_aux=True)(params, mb=mb)
+    return (g, sums) if acc is None else jax.tree.map(jnp.add, acc, (g, sums))
 
-    def step(params, opt_state, batch):
+
+def make_grad_step(cfg: ModelConfig, spec: LossSpec):
+    """Jitted `grad_step(params, micro_batch, acc=None) -> (grad_sums, stats_sums)`: gradients of the
+    unnormalised Σ weights · ℓ · mask and the stats sums (loss, tokens, entropy, kl, clipped, nll). Runs
+    on whatever mesh its inputs live on (a sub-mesh too; combine with `sum_onto`).
+
+    `acc` (donated) is a running (grad_sums, stats_sums) to add this micro-batch's sums to, inside the
+    same program: that is exactly the fused step's `lax.scan` body, so accumulating with `acc` is
+    bitwise the fused step. (Adding returned sums outside is exact up to float rounding: XLA folds the
+    accumulation into the gradient's last ops, e.g. the tied embedding's scatter-add, which reorders
+    the additions.)"""
+    return jax.jit(functools.partial(_grads, cfg=cfg, spec=spec), donate_argnums=(2,))
+
+
+def _update(params, opt_state, grad_sums, denominator, stats=None, *, tx: optax.GradientTransformation):
+    """Normalise once, global norm, skip non-finite, optax update (shared by the split and fused paths)."""
+    d = jnp.asarray(denominator, jnp.float32)
+    # The barrier keeps XLA from fusing the division into the optimizer's arithmetic (it would rewrite
+    # e.g. (g / d) * clip_scale, changing roundings): with d = 1 the update is bitwise the pre-split one.
+    grads = jax.lax.optimization_barrier(jax.tree.map(lambda g: (g / d).astype(g.dtype), grad_sums))
+    gnorm = optax.tree.norm(grads)
+    ok = jnp.isfinite(gnorm)
+    metrics = {"grad_norm": gnorm}
+    if stats is not None:
+        loss = stats["loss"] / d
+        ok = jnp.isfinite(loss) & ok
+        n = jnp.maximum(stats["tokens"], 1.0)
+        metrics.update(loss=loss, entropy=stats["entropy"] / n, kl=stats["kl"] / n,
+                       clip_frac=stats["clipped"] / n, nll=stats["nll"] / n, tokens=stats["tokens"])
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n_, o: jnp.where(ok, n_, o), new, old)
+    metrics["skipped"] = (~ok).astype(jnp.int32)
+    return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+
+def make_apply_update(tx: optax.GradientTransformation):
+    """Jitted `apply_update(params, opt_state, grad_sums, denominator, stats_sums=None) -> (params,
+    opt_state, metrics)`, params/opt_state donated. Divides grad_sums (and the loss sum) by
+    `denominator` once; with `stats_sums` the metrics also hold loss, per-token entropy/kl/clip_frac/nll
+    and tokens, and a non-finite loss also skips the update."""
+    return jax.jit(functools.partial(_update, tx=tx), donate_argnums=(0, 1))
+
+
+def make_train_step(cfg: ModelConfig, spec: LossSpec, tx: optax.GradientTransformation, micro_batches: int):
+    """Jitted `(params, opt_state, batch, denominator=1.0) -> (params, opt_state, metrics)`: batch rows
+    split into `micro_batches`, gradient sums accumulated by `lax.scan` (the `grad_step` computation),
+    then the `apply_update` code. params/opt_state are donated."""
+    grads = functools.partial(_grads, cfg=cfg, spec=spec)
+
+    def step(params, opt_state, batch, denominator=1.0):
         mbs = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
 
         def body(acc, mb):
-            (_, sums), g = grad_fn(params, mb=mb)
-            return jax.tree.map(jnp.add, acc, (g, sums)), None
+            return grads(params, mb, acc), None
 
-        zero_g = jax.tree.map(jnp.zeros_like, params)
-        zero_s = jax.eval_shape(lambda: loss_fn(params, cfg, spec, jax.tree.map(lambda x: x[0], mbs))[1])
-        zero_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_s)
-        (grads, sums), _ = jax.lax.scan(body, (zero_g, zero_s), mbs)
-        gnorm = optax.tree.norm(grads)
-        ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(gnorm)
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-        n = jnp.maximum(sums["tokens"], 1.0)
-        metrics = {"loss": sums["loss"], "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32),
-                   "entropy": sums["entropy"] / n, "kl": sums["kl"] / n, "clip_frac": sums["clipped"] / n,
-                   "nll": sums["nll"] / n, "tokens": sums["tokens"]}
-        return keep(new_params, params), keep(new_opt, opt_state), metrics
+        zero = jax.eval_shape(grads, params, jax.tree.map(lambda x: x[0], mbs))
+        zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
+        (grad_sums, stats), _ = jax.lax.scan(body, zero, mbs)
+        return _update(params, opt_state, grad_sums, denominator, stats, tx=tx)
 
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+@jax.jit
+def _add_trees(trees):
+    return jax.tree.map(lambda *xs: functools.reduce(jnp.add, xs), *trees)
+
+
+def sum_onto(trees: Sequence, shardings):
+    """Σ of pytrees computed on different meshes (e.g. grad_step on sub-meshes freed by rollout), summed
+    on the train mesh: each tree is `jax.device_put` onto `shardings` (a matching pytree of shardings,
+    or one sharding for every leaf), then added left to right ((t0 + t1) + t2 ...)."""
+    if not trees:
+        raise ValueError("sum_onto needs at least one tree")
+    placed = [jax.device_put(t, shardings) for t in trees]
+    return placed[0] if len(placed) == 1 else _add_trees(placed)
