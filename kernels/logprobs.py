@@ -4,13 +4,25 @@
 
   hidden   [N, E] or [B, T, E]   final-normed hidden states (`models.forward(..., return_hidden=True)`)
   w        [E, V]                the output projection (`models.forward.lm_head(weights)`)
-  targets  [N] or [B, T] int     token ids, 0 <= targets < V (out-of-range ids give undefined values:
-                                 they cannot be checked inside jit)
+  targets  [N] or [B, T] int     token ids, 0 <= targets < valid_vocab (out-of-range ids give undefined
+                                 values: they cannot be checked inside jit)
+  valid_vocab  int <= V          the real vocabulary (default V): columns >= valid_vocab are the zero padding
+                                 that lets V divide a tensor-parallel axis (`models.padded_vocab`); they are
+                                 left out of the softmax and entropy, and their d_w is exactly 0
   returns  logp [N] / [B, T] float32   log softmax(hidden @ w / temperature)[target]
            ent  same shape, float32    -sum_v p_v log p_v of that distribution (None when
                                        `return_entropy=False`)
 
 `token_logprobs_reference` is the naive oracle: full float32 logits [N, V], `jax.nn.log_softmax`, autodiff.
+
+Padded vocabulary (`valid_vocab` < V). The chunk loops simply stop at `valid_vocab`: the chunks cover
+[0, valid_vocab) exactly as they would for an unpadded w of that width (whole chunks, then one static
+narrower remainder), so padded columns never enter the online max/sum, no tile is masked, no work is
+spent on them, and the result equals the unpadded computation. The backward's d_w starts as zeros and only
+the visited column blocks are written, so d_w of a padded column is exactly 0 (Adam then leaves those
+columns at zero). Masking padded logits to a large negative value inside each tile would give the same
+numbers for more work, and needs care where a temperature < 1 turns the mask into -inf (0 * -inf in the
+entropy sum).
 
 Why vocabulary chunks (and not token chunks). The forward walks the vocabulary `chunk_size` columns
 at a time, keeping an online logsumexp per token (running max m, s = sum e^(z-m), and for the entropy
@@ -63,10 +75,12 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf" for the running
 
 # ----------------------------------------------------------------------------------------- reference
 
-def token_logprobs_reference(hidden, w, targets, *, temperature: float = 1.0):
-    """The naive path: full float32 logits [N, V], log_softmax, gather. Returns (logp, entropy)."""
+def token_logprobs_reference(hidden, w, targets, *, temperature: float = 1.0, valid_vocab: int | None = None):
+    """The naive path: full float32 logits [N, V], log_softmax, gather. Returns (logp, entropy).
+    `valid_vocab`: only the first valid_vocab columns of w are the vocabulary (see `token_logprobs`)."""
     hidden, targets, lead = _check(hidden, w, targets, temperature, 1)
-    logits = jnp.matmul(hidden, w, preferred_element_type=jnp.float32) / temperature
+    valid_vocab = _check_valid_vocab(valid_vocab, w)
+    logits = jnp.matmul(hidden, w[:, :valid_vocab], preferred_element_type=jnp.float32) / temperature
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, targets[:, None], axis=-1)[:, 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
@@ -76,16 +90,19 @@ def token_logprobs_reference(hidden, w, targets, *, temperature: float = 1.0):
 # ----------------------------------------------------------------------------------------------- op
 
 def token_logprobs(hidden, w, targets, *, temperature: float = 1.0, chunk_size: int = 1024,
-                   return_entropy: bool = True):
+                   return_entropy: bool = True, valid_vocab: int | None = None):
     """Per-token log-probs (and entropy) of `targets` under softmax(hidden @ w / temperature).
 
     Never materialises [N, V] logits, forward or backward (see the module docstring). Differentiable
     in `hidden` and `w` through a custom VJP that takes cotangents on both outputs. Returns
     (logp, entropy), entropy None when `return_entropy=False`; both float32, shaped like `targets`.
+    `valid_vocab` (static int, default V): the softmax runs over w's first valid_vocab columns only; the
+    rest (vocabulary padding) get exactly zero gradient.
     """
     hidden, targets, lead = _check(hidden, w, targets, temperature, chunk_size)
-    chunk = min(int(chunk_size), w.shape[1])
-    logp, ent = _logprobs(hidden, w, targets, float(temperature), chunk, bool(return_entropy))
+    valid_vocab = _check_valid_vocab(valid_vocab, w)
+    chunk = min(int(chunk_size), valid_vocab)
+    logp, ent = _logprobs(hidden, w, targets, float(temperature), chunk, bool(return_entropy), valid_vocab)
     return logp.reshape(lead), None if ent is None else ent.reshape(lead)
 
 
@@ -108,6 +125,16 @@ def _check(hidden, w, targets, temperature, chunk_size):
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     lead = targets.shape
     return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).astype(jnp.int32), lead
+
+
+def _check_valid_vocab(valid_vocab, w) -> int:
+    """`valid_vocab` as an int in [1, V] (default V = w.shape[1])."""
+    if valid_vocab is None:
+        return int(w.shape[1])
+    if isinstance(valid_vocab, (bool, jax.Array)) or not isinstance(valid_vocab, int) \
+            or not 1 <= valid_vocab <= w.shape[1]:
+        raise ValueError(f"valid_vocab must be a static int in [1, {w.shape[1]}] (w {w.shape}); got {valid_vocab!r}")
+    return valid_vocab
 
 
 def _chunks(vocab: int, chunk: int):
@@ -158,12 +185,12 @@ def _tile(hidden, w, start, width: int, temperature: float):
     return z / temperature if temperature != 1.0 else z, w_c
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _logprobs(hidden, w, targets, temperature, chunk, with_entropy):
-    return _forward(hidden, w, targets, temperature, chunk, with_entropy)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _logprobs(hidden, w, targets, temperature, chunk, with_entropy, valid_vocab):
+    return _forward(hidden, w, targets, temperature, chunk, with_entropy, valid_vocab)[0]
 
 
-def _forward(hidden, w, targets, temperature, chunk, with_entropy):
+def _forward(hidden, w, targets, temperature, chunk, with_entropy, valid_vocab):
     n = hidden.shape[0]
 
     def step(start, width, carry):
@@ -182,7 +209,7 @@ def _forward(hidden, w, targets, temperature, chunk, with_entropy):
 
     zeros = jnp.zeros((n,), jnp.float32)
     carry = (jnp.full((n,), _NEG, jnp.float32), zeros, zeros, zeros)
-    n_full, rem = _chunks(w.shape[1], chunk)
+    n_full, rem = _chunks(valid_vocab, chunk)  # columns >= valid_vocab (padding) are never visited
     carry = lax.fori_loop(0, n_full, lambda i, c: step(i * chunk, chunk, c), carry)
     if rem is not None:
         carry = step(rem[0], rem[1], carry)
@@ -193,7 +220,7 @@ def _forward(hidden, w, targets, temperature, chunk, with_entropy):
     return (tgt - lse, ent), (hidden, w, targets, lse, ent)
 
 
-def _backward(temperature, chunk, with_entropy, res, cts):
+def _backward(temperature, chunk, with_entropy, valid_vocab, res, cts):
     hidden, w, targets, lse, ent = res
     g_logp, g_ent = cts
     cdt = jnp.result_type(hidden.dtype, w.dtype)
@@ -216,7 +243,7 @@ def _backward(temperature, chunk, with_entropy, res, cts):
         return d_h, d_w
 
     carry = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
-    n_full, rem = _chunks(w.shape[1], chunk)
+    n_full, rem = _chunks(valid_vocab, chunk)  # columns >= valid_vocab (padding) are never visited
     carry = lax.fori_loop(0, n_full, lambda i, c: step(i * chunk, chunk, c), carry)
     if rem is not None:
         carry = step(rem[0], rem[1], carry)

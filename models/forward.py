@@ -40,7 +40,8 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any, Any], tuple[
 
 
 def lm_head(weights: Weights) -> jax.Array:
-    """The output projection [embed, vocab] (the transposed embedding when tied)."""
+    """The output projection [embed, vocab] (the transposed embedding when tied); `vocab` is the weights'
+    (possibly padded) row count, so callers mask or slice columns >= `cfg.vocab_size`."""
     return weights.embed.T if weights.lm_head is None else weights.lm_head
 
 
@@ -93,10 +94,12 @@ def decoder_stack(weights: Weights, cfg: ModelConfig, x: jax.Array, positions: j
     return L.rms_norm(x, weights.final_norm, cfg.rms_norm_eps), carry, ys
 
 
-def _head(weights: Weights, x: jax.Array, return_hidden: bool) -> jax.Array:
+def _head(weights: Weights, cfg: ModelConfig, x: jax.Array, return_hidden: bool) -> jax.Array:
+    """Hidden states, or float32 logits over the real vocabulary (padded columns, if any, sliced off)."""
     if return_hidden:
         return x
-    return jnp.einsum("bte,ev->btv", x, lm_head(weights), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bte,ev->btv", x, lm_head(weights), preferred_element_type=jnp.float32)
+    return logits[..., :cfg.vocab_size] if logits.shape[-1] != cfg.vocab_size else logits
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "return_hidden", "attention_impl", "remat"))
@@ -107,7 +110,8 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, *, positions:
 
     tokens [B, T] int32. positions [B, T] default 0..T-1 (give per-segment positions for packed
     rows). segment_ids [B, T]: tokens attend only within their own segment (packing); default: one
-    segment per row. Returns float32 logits [B, T, vocab], or the final-normed hidden states
+    segment per row. Returns float32 logits [B, T, cfg.vocab_size] (the real vocabulary, also when the
+    weights carry padded rows: `models.weights.padded_vocab`), or the final-normed hidden states
     [B, T, embed] (weights' dtype) with `return_hidden=True` — training computes log-probs from these
     in vocabulary chunks instead of materialising logits. attention_impl: "xla" or "pallas"
     (`kernels.attention`; interpret mode on the CPU). remat: one of `REMAT_POLICIES`.
@@ -128,7 +132,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, *, positions:
         return o, carry, None
 
     x, _, _ = decoder_stack(weights, cfg, weights.embed[tokens], positions, attend, remat=remat)
-    return _head(weights, x, return_hidden)
+    return _head(weights, cfg, x, return_hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "return_hidden", "attention_impl", "remat"))
@@ -141,7 +145,8 @@ def forward_block(weights: Weights, cfg: ModelConfig, tokens: jax.Array, history
     positions before the block, as the rollout KV cache or an earlier block produced them (post-RoPE
     keys, post-k-norm). Queries sit at q_offset=S inside the key sequence [history; block]; RoPE at
     absolute positions `positions` [B, T] (default S..S+T-1). Every row's history has the same length S
-    (no padding mask). Returns (float32 logits [B, T, vocab], or the final-normed hidden states with
+    (no padding mask). Returns (float32 logits [B, T, cfg.vocab_size] (the real vocabulary, as `forward`),
+    or the final-normed hidden states with
     `return_hidden=True`; (k_block, v_block) each [L, B, T, K, D] in the activation dtype), so the next
     block can use concat(history, block) along S as its history. Differentiable w.r.t. the weights and
     the history (the attention VJP returns dK/dV for every key, history included). remat: one of
@@ -172,4 +177,4 @@ def forward_block(weights: Weights, cfg: ModelConfig, tokens: jax.Array, history
 
     x, _, kv = decoder_stack(weights, cfg, weights.embed[tokens], positions, attend, xs=(history_k, history_v),
                               remat=remat)
-    return _head(weights, x, return_hidden), kv
+    return _head(weights, cfg, x, return_hidden), kv

@@ -1,10 +1,15 @@
 """Hugging Face checkpoints: config.json <-> ModelConfig, safetensors <-> Weights.
 
-`load_hf(path, dtype, shardings=None)` reads config.json (transformers 4 and 5 forms) and single or
-index-sharded safetensors. With `shardings` (a `Weights` tree of `jax.sharding.Sharding`, e.g. from
+`load_hf(path, dtype, shardings=None, vocab_size=None)` reads config.json (transformers 4 and 5 forms) and
+single or index-sharded safetensors. With `shardings` (a `Weights` tree of `jax.sharding.Sharding`, e.g. from
 `sharding.shardings_for`) every leaf is built with `jax.make_array_from_callback`: each device (and in
 multi-host runs, each process) reads only its own slice from memory-mapped files, so an 8B model never
 sits whole on one device. `save_hf` writes a directory `transformers` loads.
+
+Padded vocabulary (`models.padded_vocab`): `load_hf(..., vocab_size=Vp)` builds `embed` [Vp, E] and `lm_head`
+[E, Vp] with zeros past the checkpoint's vocabulary (with shardings, each device's read callback returns zeros
+for its rows/columns >= the file's vocabulary and reads only the real part of its slice); `save_hf` accepts
+padded weights and writes only the real vocabulary (`cfg.vocab_size`), so the files are what transformers expects.
 
 HF stores projections as [out, in]; ours are [in, heads, head_dim] etc. Each of our leaves is
 `reshape(transpose?(hf_tensor))`, and a slice of ours maps back to a contiguous row range of the HF
@@ -25,7 +30,7 @@ import numpy as np
 
 from . import safetensors_io as st
 from .config import ARCHITECTURES, ModelConfig, RopeScaling
-from .weights import Layers, Weights, is_spec, weight_specs
+from .weights import Layers, Weights, is_spec, vocab_rows, weight_specs
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -197,14 +202,21 @@ class _Checkpoint:
         return arr.reshape(shape)[tuple(inner_idx)]
 
 
-def load_hf(path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | None = None
-            ) -> tuple[ModelConfig, Weights]:
-    """Load config and weights from an HF directory, optionally straight into `shardings`."""
+def load_hf(path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | None = None,
+            vocab_size: int | None = None) -> tuple[ModelConfig, Weights]:
+    """Load config and weights from an HF directory, optionally straight into `shardings`.
+
+    `vocab_size` (>= the checkpoint's vocabulary; default: equal to it): pad `embed` rows and `lm_head`
+    columns with zeros up to it (`models.padded_vocab`); `shardings` must then be for the padded shapes
+    (`logical_axes(cfg, vocab_size=...)`). The returned config keeps the real vocabulary.
+    """
     path = Path(path)
     cfg = config_from_hf(path)
     ckpt = _Checkpoint(path)
     specs, maps = weight_specs(cfg, dtype), tensor_map(cfg)
+    padded = weight_specs(cfg, dtype, vocab_size)
     spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    padded_leaves = jax.tree.leaves(padded, is_leaf=is_spec)
     map_leaves = jax.tree.leaves(maps, is_leaf=_is_map)
     shard_leaves = [None] * len(spec_leaves) if shardings is None else jax.tree.leaves(shardings)
     if len(shard_leaves) != len(spec_leaves):
@@ -215,11 +227,11 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | Non
         for i in range(spec.shape[0] if stacked else 1):
             ckpt.check(m.name.format(i=i), m.hf_shape(spec.shape[1:] if stacked else spec.shape))
 
-    def leaf(spec, m: _Map, sharding):
+    def leaf(spec, padded_spec, m: _Map, sharding):
         stacked = "{i}" in m.name
         per_layer = spec.shape[1:] if stacked else spec.shape
 
-        def read(index):
+        def read_real(index):
             index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
             if not stacked:
                 return ckpt.block(m.name, m, per_layer, index).astype(dtype)
@@ -227,11 +239,23 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | Non
             return np.stack([ckpt.block(m.name.format(i=i), m, per_layer, index[1:]) for i in layers]
                             ).astype(dtype)
 
+        def read_padded(index):
+            """`padded[index]`: the part inside the file's shape read from it, zeros beyond."""
+            index = tuple(index) + (slice(None),) * (len(padded_spec.shape) - len(index))
+            want = [sl.indices(n)[:2] for sl, n in zip(index, padded_spec.shape)]
+            out = np.zeros([b - a for a, b in want], dtype)
+            have = [(a, min(b, n)) for (a, b), n in zip(want, spec.shape)]
+            if all(b > a for a, b in have):
+                out[tuple(slice(0, b - a) for a, b in have)] = read_real(tuple(slice(a, b) for a, b in have))
+            return out
+
+        read = read_real if padded_spec.shape == spec.shape else read_padded
         if sharding is None:
             return jnp.asarray(read(()))
-        return jax.make_array_from_callback(spec.shape, sharding, read)
+        return jax.make_array_from_callback(padded_spec.shape, sharding, read)
 
-    return cfg, jax.tree.unflatten(treedef, [leaf(*x) for x in zip(spec_leaves, map_leaves, shard_leaves)])
+    return cfg, jax.tree.unflatten(treedef, [leaf(*x) for x in zip(spec_leaves, padded_leaves, map_leaves,
+                                                                   shard_leaves)])
 
 
 # ------------------------------------------------------------------------------------------ saving
@@ -248,13 +272,18 @@ def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, d
     """Write config.json + safetensors (index-sharded above `max_shard_bytes`) that transformers loads.
 
     Tensors are gathered to host one layer at a time. In a multi-process run every process gathers
-    and only process 0 writes.
+    and only process 0 writes. Weights with a padded vocabulary (`models.padded_vocab`) are accepted;
+    only the first `cfg.vocab_size` rows of `embed` / columns of `lm_head` are written.
     """
     out = Path(out_dir)
     dtype = jnp.dtype(dtype or jax.tree.leaves(weights)[0].dtype)
     write = jax.process_index() == 0
     specs, maps = weight_specs(cfg, dtype), tensor_map(cfg)
+    rows = vocab_rows(weights)
+    if rows < cfg.vocab_size:
+        raise ValueError(f"weights have {rows} vocabulary rows, fewer than the config's vocab_size {cfg.vocab_size}")
     spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    padded_leaves = jax.tree.leaves(weight_specs(cfg, dtype, rows), is_leaf=is_spec)
     map_leaves = jax.tree.leaves(maps, is_leaf=_is_map)
     arrays = jax.tree.leaves(weights)
     if len(arrays) != len(spec_leaves):
@@ -269,12 +298,13 @@ def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, d
         current[name] = arr
         size += arr.nbytes
 
-    for spec, m, x in zip(spec_leaves, map_leaves, arrays):
-        if tuple(x.shape) != spec.shape:
-            raise ValueError(f"{m.name}: weight shape {tuple(x.shape)} != expected {spec.shape}")
+    for spec, padded_spec, m, x in zip(spec_leaves, padded_leaves, map_leaves, arrays):
+        if tuple(x.shape) != padded_spec.shape:
+            raise ValueError(f"{m.name}: weight shape {tuple(x.shape)} != expected {padded_spec.shape}")
         stacked = "{i}" in m.name
+        real = tuple(slice(0, n) for n in spec.shape[1 if stacked else 0:])  # drops vocabulary padding
         for i in range(spec.shape[0] if stacked else 1):
-            arr = m.to_hf(_to_host(x[i] if stacked else x).astype(dtype))
+            arr = m.to_hf(_to_host(x[i] if stacked else x)[real].astype(dtype))
             emit(m.name.format(i=i), np.ascontiguousarray(arr))
     if current:
         shards.append(current)

@@ -6,6 +6,13 @@ layers and resharding can move one layer at a time. Every leaf is described by a
 one `weight_specs(cfg)` tree, so the three never disagree. Optional tensors (biases, q/k norms, an
 untied LM head) are `None` when the architecture has none.
 
+Vocabulary padding. A vocabulary that does not divide the tensor-parallel axis (50257, 151665 ...) is padded:
+`embed` gets rows and `lm_head` columns up to `padded_vocab(V, tp)`, all zeros (`weight_specs(cfg,
+vocab_size=...)`, `init(..., vocab_size=...)`, `fit_vocab`). `cfg.vocab_size` always stays the real
+vocabulary; `forward` returns real-vocabulary logits, the rollout sampler gives padded columns no mass and the
+log-prob kernel leaves them out (`kernels.token_logprobs(valid_vocab=)`), so their gradient is exactly zero and
+they stay zero under training (weight decay of zero is zero). Megatron and vLLM pad the same way.
+
 Logical axes used (mapped to mesh axes only in `sharding/`):
   layers, vocab, embed, heads, kv_heads, head_dim, mlp           (weights)
   pages, page_size                                                (the rollout's paged KV cache, with
@@ -15,6 +22,7 @@ Logical axes used (mapped to mesh axes only in `sharding/`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -106,10 +114,47 @@ def _embed_init(key, shape, dtype):
     return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
 
 
-def weight_specs(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
-    """The `ArraySpec` of every leaf, for `cfg`, in `dtype`."""
-    L, E, H, K, D, M, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size)
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """`vocab_size` rounded up to a multiple of `multiple` (e.g. 50257 -> 50258 for tp=2)."""
+    if vocab_size < 1 or multiple < 1:
+        raise ValueError(f"padded_vocab({vocab_size}, {multiple}): both must be positive")
+    return -(-vocab_size // multiple) * multiple
+
+
+def _vocab_rows(cfg: ModelConfig, vocab_size: int | None) -> int:
+    """The embedding row count: `vocab_size` (padded, >= the real `cfg.vocab_size`) or the real one."""
+    if vocab_size is None:
+        return cfg.vocab_size
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < cfg.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= the model's vocabulary {cfg.vocab_size} "
+                         f"(the padded row count of embed / columns of lm_head)")
+    return vocab_size
+
+
+def _padded_init(init, real: int, axis: int):
+    """`init`, with the entries past `real` along `axis` (padded vocabulary rows/columns) set to zero."""
+
+    def padded(key, shape, dtype):  # the real part is drawn at the real shape: same values as unpadded
+        x = init(key, shape[:axis] + (real,) + shape[axis + 1:], dtype)
+        return jnp.pad(x, [(0, shape[d] - real if d == axis else 0) for d in range(len(shape))])
+
+    return padded
+
+
+def weight_specs(cfg: ModelConfig, dtype=jnp.float32, vocab_size: int | None = None) -> Weights:
+    """The `ArraySpec` of every leaf, for `cfg`, in `dtype`.
+
+    `vocab_size` (default `cfg.vocab_size`) is the row count of `embed` and the column count of `lm_head`:
+    a padded vocabulary (see `padded_vocab`) lets the `vocab` axis divide a tensor-parallel mesh axis. Padded
+    rows/columns initialise to zeros; `cfg.vocab_size` stays the real vocabulary, and the forward passes,
+    samplers and log-prob kernels ignore everything past it.
+    """
+    L, E, H, K, D, M = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.intermediate_size)
+    V = _vocab_rows(cfg, vocab_size)
+    embed_init, head_init = _embed_init, _normal((0,))
+    if V != cfg.vocab_size:
+        embed_init, head_init = _padded_init(embed_init, cfg.vocab_size, 0), _padded_init(head_init, cfg.vocab_size, 1)
 
     def spec(shape, axes, init):
         return ArraySpec(tuple(shape), dtype, tuple(axes), init)
@@ -130,10 +175,10 @@ def weight_specs(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
         q_norm=norm(), k_norm=norm(),
     )
     return Weights(
-        embed=spec((V, E), ("vocab", "embed"), _embed_init),
+        embed=spec((V, E), ("vocab", "embed"), embed_init),
         layers=layers,
         final_norm=spec((E,), ("embed",), _ones),
-        lm_head=None if cfg.tie_embeddings else spec((E, V), ("embed", "vocab"), _normal((0,))),
+        lm_head=None if cfg.tie_embeddings else spec((E, V), ("embed", "vocab"), head_init),
     )
 
 
@@ -144,20 +189,25 @@ def kv_cache_spec(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
                      _zeros)
 
 
-def abstract(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
+def abstract(cfg: ModelConfig, dtype=jnp.float32, vocab_size: int | None = None) -> Weights:
     """`jax.ShapeDtypeStruct` leaves: shapes without memory (for eval_shape, sharding, memory plans)."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), weight_specs(cfg, dtype), is_leaf=is_spec)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), weight_specs(cfg, dtype, vocab_size),
+                        is_leaf=is_spec)
 
 
-def logical_axes(cfg: ModelConfig) -> Weights:
-    """A `Weights` tree whose leaves are `ArraySpec`s; read `.axes` (see `sharding.shardings_for`)."""
-    return weight_specs(cfg)
+def logical_axes(cfg: ModelConfig, vocab_size: int | None = None) -> Weights:
+    """A `Weights` tree whose leaves are `ArraySpec`s; read `.axes` (see `sharding.shardings_for`).
+    `vocab_size`: the padded vocabulary row count, as in `weight_specs`."""
+    return weight_specs(cfg, vocab_size=vocab_size)
 
 
-def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights | None = None) -> Weights:
+def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights | None = None,
+         vocab_size: int | None = None) -> Weights:
     """Random weights. With `shardings` (a `Weights` tree of `jax.sharding.Sharding`), each leaf is
-    created directly in its sharding by one jitted program, so no device ever holds a whole leaf."""
-    specs = weight_specs(cfg, dtype)
+    created directly in its sharding by one jitted program, so no device ever holds a whole leaf.
+    `vocab_size`: pad `embed` rows / `lm_head` columns up to it with zeros (`weight_specs`); the real rows
+    get the same values as an unpadded init with the same key."""
+    specs = weight_specs(cfg, dtype, vocab_size)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     out_shardings = None if shardings is None else tuple(jax.tree.leaves(shardings))
     if out_shardings is not None and len(out_shardings) != len(leaves):
@@ -168,3 +218,39 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights
         return tuple(s.init(k, s.shape, s.dtype) for k, s in zip(keys, leaves))
 
     return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=out_shardings)(key))
+
+
+def vocab_rows(weights: Weights) -> int:
+    """The vocabulary row count the weights carry (padded or real): `embed.shape[0]`."""
+    return int(weights.embed.shape[0])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fit_vocab(weights: Weights, size: int) -> Weights:
+    def fit(x, axis):
+        have = x.shape[axis]
+        if size <= have:
+            return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, size - have)
+        return jnp.pad(x, pad)
+
+    lm = None if weights.lm_head is None else fit(weights.lm_head, 1)
+    return dataclasses.replace(weights, embed=fit(weights.embed, 0), lm_head=lm)
+
+
+def fit_vocab(weights: Weights, size: int) -> Weights:
+    """`weights` with `embed` rows and `lm_head` columns zero-padded (or sliced) to `size`.
+
+    Padding up (real -> padded vocabulary, e.g. before placing weights on a tp mesh) and slicing down (back
+    to the real vocabulary, or between two paddings) are the same call; slicing must not drop real rows
+    (the caller knows `cfg.vocab_size`; `save_hf` slices to it). Jitted; works on sharded inputs, and XLA
+    picks the output sharding (the caller reshards). Returns `weights` itself when the size already fits.
+    Only `embed` and `lm_head` are new arrays; the other leaves are the inputs' own buffers.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"fit_vocab: size={size!r} must be a positive int")
+    if vocab_rows(weights) == size:
+        return weights
+    head = _fit_vocab(dataclasses.replace(weights, layers=None, final_norm=None), size)
+    return dataclasses.replace(weights, embed=head.embed, lm_head=head.lm_head)

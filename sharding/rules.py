@@ -159,8 +159,9 @@ def specs_for(tree: Any, rules: ShardingRules, mesh_shape: Mapping[str, int]) ->
                 raise ValueError(f"{name}: mesh axis {mesh_axis!r} (for {logical!r}) is not in the mesh "
                                  f"{mesh_shape}")
             if size % mesh_shape[mesh_axis]:
+                hint = " (pad the vocabulary: sharding.padded_vocab_for)" if logical == "vocab" else ""
                 problems.append(f"{name}: shape {leaf.shape} dim {dim} ({logical}={size}) is not divisible by mesh "
-                                f"axis {mesh_axis!r} of size {mesh_shape[mesh_axis]}")
+                                f"axis {mesh_axis!r} of size {mesh_shape[mesh_axis]}{hint}")
         specs.append(spec)
     if problems:
         raise ValueError(f"{len(problems)} weight dimension(s) do not divide their mesh axis (no silent "

@@ -34,8 +34,16 @@ def _gather_pages(pages, layer, page_table):
     return gather_pages(pages[layer], page_table).swapaxes(1, 2)
 
 
-def _logits(weights, h):
-    return jnp.einsum("be,ev->bv", h, lm_head(weights), preferred_element_type=jnp.float32)
+def _logits(weights, h, vocab_size: int):
+    """float32 logits [B, V'] over the weights' (possibly padded) vocabulary V' >= vocab_size. Padded
+    columns are float32's lowest finite value, so `sampling.sample` never picks them: they are never the
+    argmax, and exp(x - max) puts them below its -80 cut-off (exactly zero weight; at temperature < 1 they
+    become -inf, which the cut-off also zeroes), and they add nothing to the log-partition."""
+    logits = jnp.einsum("be,ev->bv", h, lm_head(weights), preferred_element_type=jnp.float32)
+    if logits.shape[-1] == vocab_size:
+        return logits
+    real = jnp.arange(logits.shape[-1], dtype=jnp.int32) < vocab_size
+    return jnp.where(real[None, :], logits, jnp.finfo(jnp.float32).min)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("k_pages", "v_pages"))
@@ -92,7 +100,7 @@ def decode_step(weights, k_pages, v_pages, tokens, positions, page_table, sampli
 
     h, (k_pages, v_pages), _ = decoder_stack(weights, cfg, weights.embed[tokens[:, None]], positions[:, None],
                                              attend, carry=(k_pages, v_pages))
-    tok, logp = sample(_logits(weights, h[:, 0]), sampling)
+    tok, logp = sample(_logits(weights, h[:, 0], cfg.vocab_size), sampling)
     return tok, logp, k_pages, v_pages
 
 
