@@ -49,12 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from models import init, load_hf, load_tokenizer
-    from jaxrl.rollout import RolloutService, SamplingParams
-
     e, s = cfg.engine, cfg.sampling
     from jaxrl.runtime import request_cpu_devices
 
-    request_cpu_devices(e.tp * e.instances)   # fake devices on a CPU host only
+    request_cpu_devices(e.num_devices)   # fake devices on a CPU host only
     tok_path = cfg.tokenizer or cfg.model.hf_path or "char"
     tokenizer = load_tokenizer(tok_path)
     rows = read_prompts(cfg.input, tokenizer, cfg.chat)
@@ -65,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         _, weights = load_hf(cfg.model.hf_path, dtype=cfg.model.jnp_dtype())
     else:
         weights = init(jax.random.key(0), model_cfg, cfg.model.jnp_dtype())
-    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                            top_p=s.top_p, n=s.n, seed=s.seed, stop_token_ids=tuple(tokenizer.eos_ids))
-    svc = RolloutService(model_cfg, weights, **e.service_kwargs())
+    params = s.build(stop_token_ids=tokenizer.eos_ids)
+    svc = e.build(model_cfg, weights)
     owner = {}
     for i, (row, ids) in enumerate(rows):
         for j, rid in enumerate(svc.add(ids, params)):

@@ -10,12 +10,15 @@
 Golden snapshots of the rules: `python -m sharding.golden [--update]`.
 """
 
+from .groups import mirror_mesh, to_local_groups
 from .layout import MESH_AXES, Layout, split_devices
 from .reshard import ReshardReport, is_layer_path, leaf_bytes_moved, reshard, reshard_bytes
 from .rules import ROLES, ShardingRules, logical_to_spec, path_str, shardings_for, specs_for
+from .vocab import padded_vocab_for
 
 __all__ = [
-    "MESH_AXES", "Layout", "split_devices",
+    "MESH_AXES", "Layout", "split_devices", "mirror_mesh", "to_local_groups",
     "ROLES", "ShardingRules", "logical_to_spec", "path_str", "shardings_for", "specs_for",
     "ReshardReport", "is_layer_path", "leaf_bytes_moved", "reshard", "reshard_bytes",
+    "padded_vocab_for",
 ]

@@ -203,11 +203,22 @@ def test_layout_section_builds():
     assert isinstance(layout, sharding.Layout) and (layout.dp, layout.fsdp, layout.tp) == (1, 4, 2)
 
 
-def test_train_config_choices_match_the_algos_registries():
-    """The training config lists valid names statically (config stays import-light); keep them in sync."""
+def test_train_config_choices_come_from_the_algos_registries():
     from jaxrl import algos
     from jaxrl.config import train
 
-    assert set(train.AGGREGATIONS) == set(algos.AGGREGATIONS)
-    assert set(train.KL_ESTIMATORS) == set(algos.KL_ESTIMATORS)
-    assert set(train.ADVANTAGES) <= set(algos.ADVANTAGE_ESTIMATORS)   # gae needs a critic (not wired)
+    assert train.AGGREGATIONS == tuple(algos.AGGREGATIONS)
+    assert train.KL_ESTIMATORS == tuple(algos.KL_ESTIMATORS)
+    assert set(train.ADVANTAGES) == set(algos.ADVANTAGE_ESTIMATORS) - {"gae"}   # gae needs a critic (not wired)
+
+
+def test_trainer_section_validates_forward_options():
+    from jaxrl.config import train
+
+    assert train.TrainConfig().trainer == train.TrainerSection(remat="none", attention_impl="xla")
+    cfg = load_config(train.TrainConfig, ["trainer.remat=dots", "trainer.attention_impl=pallas"])
+    assert cfg.trainer == train.TrainerSection(remat="dots", attention_impl="pallas")
+    err = config_error(train.TrainerSection, "full")
+    assert "remat" in str(err) and "none, layer, dots" in str(err)
+    err = config_error(lambda: train.TrainerSection(attention_impl="cudnn"))
+    assert "attention_impl" in str(err) and "xla, pallas" in str(err)

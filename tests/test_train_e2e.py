@@ -89,7 +89,7 @@ def test_two_processes_equal_one(tmp_path):
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
     # a sign there), amplifying that noise to ~1e-5; eps=1e-3 keeps the update continuous in the
     # gradient, so "within float tolerance" is what is actually compared.
-    common = ["steps=2", "save_every=0", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3"]
+    common = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3"]
     _train(one, *common, "engine.instances=8")
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
            *TINY, *common, "engine.instances=4"]

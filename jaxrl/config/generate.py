@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Section, check_choice, check_float, check_int, check_str
+from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
 from .sections import ModelSection
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSection(Section):
-    """Mirrors `jaxrl.rollout.SamplingParams` (temperature 0 = greedy; top_k 0 and top_p 1 = off)."""
+    """Per-request sampling (`jaxrl.rollout.SamplingParams`): temperature 0 = greedy; top_k None and top_p 1
+    = no truncation."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int | None = None
     top_p: float = 1.0
     n: int = 1
     seed: int = 0
@@ -23,22 +24,39 @@ class SamplingSection(Section):
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_float("temperature", self.temperature)
         if self.temperature < 0:
-            from .base import ConfigError
             raise ConfigError("temperature", f"must be >= 0, got {self.temperature}")
-        check_int("top_k", self.top_k, minimum=0)
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, minimum=1)
         check_float("top_p", self.top_p, above=0.0)
+        if self.top_p > 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         check_int("n", self.n, minimum=1)
         check_int("seed", self.seed, minimum=0)
+
+    def build(self, *, stop_token_ids=(), seed: int | None = None, n: int | None = None):
+        """The `SamplingParams` of one request (`seed`/`n` override the section's)."""
+        from jaxrl.rollout import SamplingParams
+
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_k=self.top_k or 0, top_p=self.top_p, n=self.n if n is None else n,
+                              seed=self.seed if seed is None else seed, stop_token_ids=tuple(stop_token_ids))
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineSection(Section):
-    """Rollout engine shape: `instances` TP groups of `tp` devices, each with its own paged KV pool."""
+    """Rollout engine shape: `instances` TP groups of `tp` devices, each with its own paged KV pool.
+
+    Pages per instance: `num_pages` when set; else a per-device budget for the instance's weights + KV,
+    `kv_bytes_per_device` bytes or `kv_memory_fraction` of each device's memory (GPU/TPU; default 0.5),
+    minus its weight shard; on a CPU with neither, enough for `max_batch` sequences of `max_seq_len`.
+    """
 
     tp: int = 1
     instances: int = 1
     page_size: int = 16
-    num_pages: int = 0            # 0 = enough for max_batch sequences of max_seq_len
+    num_pages: int | None = None      # explicit pool size (pages, scratch page included)
+    kv_bytes_per_device: int | None = None
+    kv_memory_fraction: float | None = None
     max_batch: int = 64
     max_seq_len: int = 1024
     prefix_sharing: bool = True
@@ -51,14 +69,32 @@ class EngineSection(Section):
         check_choice("attention_impl", self.attention_impl, ("xla", "pallas"))
         for name in ("tp", "instances", "page_size", "max_batch", "max_seq_len", "prefill_chunk", "prefill_tokens"):
             check_int(name, getattr(self, name), minimum=1)
-        check_int("num_pages", self.num_pages, minimum=0)
+        if self.num_pages is not None:
+            check_int("num_pages", self.num_pages, minimum=2)
+        if self.kv_bytes_per_device is not None:
+            check_int("kv_bytes_per_device", self.kv_bytes_per_device, minimum=1)
+        if self.kv_memory_fraction is not None:
+            check_float("kv_memory_fraction", self.kv_memory_fraction, above=0.0)
+            if self.kv_memory_fraction > 1:
+                raise ConfigError("kv_memory_fraction", f"must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.kv_bytes_per_device is not None and self.kv_memory_fraction is not None:
+            raise ConfigError("kv_memory_fraction", "set either kv_bytes_per_device or kv_memory_fraction, not both")
 
-    def service_kwargs(self) -> dict:
-        """Keyword arguments of `jaxrl.rollout.RolloutService` for this section."""
-        return dict(tp=self.tp, instances=self.instances, page_size=self.page_size, num_pages=self.num_pages or None,
-                    max_batch=self.max_batch, max_seq_len=self.max_seq_len, prefix_sharing=self.prefix_sharing,
-                    attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
-                    prefill_tokens=self.prefill_tokens, overlap=self.overlap)
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.instances
+
+    def build(self, model_cfg, weights, *, devices=None):
+        """The `jaxrl.rollout.RolloutService` this section describes, holding `weights`."""
+        from jaxrl.rollout import RolloutService
+
+        return RolloutService(model_cfg, weights, tp=self.tp, instances=self.instances, devices=devices,
+                              page_size=self.page_size, num_pages=self.num_pages,
+                              kv_bytes_per_device=self.kv_bytes_per_device,
+                              kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
+                              max_seq_len=self.max_seq_len, prefix_sharing=self.prefix_sharing,
+                              attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
+                              prefill_tokens=self.prefill_tokens, overlap=self.overlap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl import algos
+from models.forward import ATTENTION_IMPLS, REMAT_POLICIES
+
 from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
 from .generate import EngineSection, SamplingSection
 from .sections import LayoutSection, ModelSection
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# Choices come from the `jaxrl.algos` registries (one list of names, not a copy). "gae" is left out of
+# the advantages: it needs a critic (values per token), which this trainer does not have.
+ADVANTAGES = tuple(name for name in algos.ADVANTAGE_ESTIMATORS if name != "gae")
+AGGREGATIONS = tuple(algos.AGGREGATIONS)
+KL_ESTIMATORS = tuple(algos.KL_ESTIMATORS)
 SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -45,7 +50,7 @@ class AlgoSection(Section):
     micro_batches: int = 1               # gradient accumulation inside one update
     clip_low: float = 0.2
     clip_high: float = 0.2
-    dual_clip: float = 0.0               # 0 = off; else c > 1
+    dual_clip: float | None = None       # None = off; else c > 1
     agg: str = "token-mean"
     kl_coef: float = 0.0                 # KL to the reference policy (0 = no reference forward)
     kl_estimator: str = "k3"
@@ -59,15 +64,25 @@ class AlgoSection(Section):
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for name in ("group_size", "prompts_per_step", "mini_batches", "micro_batches"):
             check_int(name, getattr(self, name), minimum=1)
-        for name in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "gamma"):
+        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "gamma"):
             check_float(name, getattr(self, name))
-        if self.dual_clip and self.dual_clip <= 1:
-            raise ConfigError("dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}")
+        if self.dual_clip is not None:
+            check_float("dual_clip", self.dual_clip, above=1.0)
         if self.kl_in_reward:
             raise ConfigError("kl_in_reward", "the KL reward penalty is not wired into the trainer yet (jaxrl.algos "
                               "supports it: outcome_token_rewards/reinforce_pp take kl=); use kl_coef as a loss term")
         if self.group_size < 2 and self.advantage in ("grpo", "dr_grpo", "rloo"):
             raise ConfigError("group_size", f"{self.advantage} needs group_size >= 2")
+
+    def build(self, *, temperature: float, trainer: "TrainerSection", kind: str = "rl"):
+        """The static `jaxrl.train.step.LossSpec` of this objective (`kind="sft"`: the warm start's NLL)."""
+        from jaxrl.train.step import LossSpec
+
+        if kind == "sft":
+            return LossSpec(kind="sft", remat=trainer.remat, attention_impl=trainer.attention_impl)
+        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef,
+                        temperature=temperature, remat=trainer.remat, attention_impl=trainer.attention_impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +97,38 @@ class OptimSection(Section):
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    clip_norm: float = 1.0               # 0 = no clipping
+    clip_norm: float | None = 1.0        # None = no clipping
 
     def __post_init__(self):
         check_float("lr", self.lr, above=0.0)
         check_int("warmup_steps", self.warmup_steps, minimum=0)
         check_choice("schedule", self.schedule, SCHEDULES)
-        for name in ("min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+        for name in ("min_lr_ratio", "weight_decay", "b1", "b2", "eps"):
             check_float(name, getattr(self, name))
+        if self.clip_norm is not None:
+            check_float("clip_norm", self.clip_norm, above=0.0)
+
+    def build(self, total_steps: int):
+        """(optax transformation, learning-rate schedule) for `total_steps` updates (`jaxrl.train.optim`)."""
+        from jaxrl.train.optim import make_optimizer
+
+        return make_optimizer(self, total_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection(Section):
+    """Train-forward options (the gradient step; log-prob passes use `attention_impl` only).
+
+    `remat`: "none" saves every residual (fastest, most memory), "layer" saves each layer's input and
+    recomputes the layer in the backward, "dots" saves the projection matmuls only (`models.forward`).
+    `attention_impl`: "xla" or "pallas" (`kernels.attention`; interpret mode on the CPU, slow)."""
+
+    remat: str = "none"
+    attention_impl: str = "xla"
+
+    def __post_init__(self):
+        check_choice("remat", self.remat, REMAT_POLICIES)
+        check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,16 +154,30 @@ class RewardSection(Section):
         check_int("num_workers", self.num_workers, minimum=0)
         check_float("timeout_s", self.timeout_s, above=0.0)
 
+    def build(self):
+        """The `jaxrl.rewards.pool.RewardPool` (worker processes with hard per-item timeouts)."""
+        from jaxrl.rewards.pool import RewardPool
+
+        return RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection(Section):
-    """jax.distributed: empty/negative values fall back to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    """jax.distributed: a null value falls back to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
     JAX_PROCESS_ID in the environment; none of them set = single process."""
 
     coordinator: str | None = None
-    num_processes: int = 0
-    process_id: int = -1
+    num_processes: int | None = None
+    process_id: int | None = None
     initialization_timeout: int = 120
+
+    def __post_init__(self):
+        check_str("coordinator", self.coordinator, allow_none=True)
+        if self.num_processes is not None:
+            check_int("num_processes", self.num_processes, minimum=1)
+        if self.process_id is not None:
+            check_int("process_id", self.process_id, minimum=0)
+        check_int("initialization_timeout", self.initialization_timeout, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,24 +192,33 @@ class TrainConfig(Section):
     engine: EngineSection = dataclasses.field(default_factory=EngineSection)
     algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
     steps: int = 100
     seed: int = 0
     run_dir: str = "runs/quickstart"
-    save_every: int = 10                 # 0 = only at the end
+    save_every: int | None = 10          # None = only at the end
     keep_checkpoints: int = 3
     export_hf: bool = True
-    pack_len: int = 0                    # 0 = max_prompt_len + max_new_tokens (rounded up to 32)
-    profile_steps: str | None = None     # "A:B": jax.profiler trace of RL steps A..B-1 into run_dir/tb
+    pack_len: int | None = None          # None = max_prompt_len + max_new_tokens (rounded up to 32)
+    profile_steps: tuple[int, int] | None = None   # [start, stop]: jax.profiler trace of RL steps start..stop-1
 
     def __post_init__(self):
         check_int("steps", self.steps, minimum=0)
         check_int("seed", self.seed, minimum=0)
         check_str("run_dir", self.run_dir)
-        check_int("save_every", self.save_every, minimum=0)
+        if self.save_every is not None:
+            check_int("save_every", self.save_every, minimum=1)
         check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
-        check_int("pack_len", self.pack_len, minimum=0)
+        if self.pack_len is not None:
+            check_int("pack_len", self.pack_len, minimum=1)
+        if self.profile_steps is not None:
+            ps = self.profile_steps
+            if (len(ps) != 2 or any(not isinstance(x, int) or isinstance(x, bool) for x in ps)
+                    or not 0 <= ps[0] < ps[1]):
+                raise ConfigError("profile_steps", f"expected [start, stop] integers with 0 <= start < stop "
+                                  f"(--profile-steps 3:5), got {list(ps)!r}")
         if self.rollout.n != 1:
             raise ConfigError("rollout.n", "set algo.group_size instead (samples per prompt)")

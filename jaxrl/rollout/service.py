@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator, Sequence as Seq
 import jax
 
 from jaxrl.runtime import enable_compilation_cache
-from models import ModelConfig, Weights, logical_axes
-from sharding import Layout, ShardingRules, reshard, shardings_for
+from models import ModelConfig, Weights, fit_vocab, logical_axes, vocab_rows
+from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups
 
 from . import migration
 from .instance import Completion, Instance
@@ -82,10 +82,11 @@ class RolloutService:
                                 overlap=overlap)
         self.instances: list[Instance] = []
         given = migration.buffers(weights)
-        for group in plan_layout(tp, instances, self.devices):
-            mesh = Layout(tp=len(group)).make_mesh(group)
-            w, _ = self.place(weights, mesh)
-            self.instances.append(self.build_instance(len(self.instances), mesh, w, max_batch=max_batch))
+        meshes = [Layout(tp=len(g)).make_mesh(g) for g in plan_layout(tp, instances, self.devices)]
+        copies = self._local_copies(weights, meshes)
+        for i, mesh in enumerate(meshes):
+            w, _ = self.place(weights if copies is None else copies[i], mesh)
+            self.instances.append(self.build_instance(i, mesh, w, max_batch=max_batch))
             self.instances[-1].external = migration.buffers(w) & given
         self._ids = itertools.count()
         self._groups = itertools.count()
@@ -95,11 +96,27 @@ class RolloutService:
 
     # ------------------------------------------------------------------ construction
     def weight_shardings(self, mesh):
-        return shardings_for(logical_axes(self.cfg), mesh, ShardingRules.rollout(self.cfg, Layout(tp=mesh.shape["tp"])))
+        """Rollout shardings of the weights on `mesh`, with the vocabulary padded to a multiple of its tp."""
+        layout = Layout(tp=mesh.shape["tp"])
+        axes = logical_axes(self.cfg, vocab_size=padded_vocab_for(self.cfg, layout))
+        return shardings_for(axes, mesh, ShardingRules.rollout(self.cfg, layout))
 
     def place(self, weights: Weights, mesh, **reshard_kw):
-        """`weights` (any layout) as the rollout copy of an instance on `mesh`, moved layer by layer;
-        returns (weights, `sharding.ReshardReport`)."""
+        """`weights` (any layout, real or padded vocabulary) as the rollout copy of an instance on `mesh`,
+        moved layer by layer; returns (weights, `sharding.ReshardReport`). The vocabulary is first padded (or
+        cut) to the instance's multiple of tp (`models.fit_vocab`); that fresh copy of embed/lm_head is
+        always donated to the reshard."""
+        padded = padded_vocab_for(self.cfg, Layout(tp=mesh.shape["tp"]))
+        if vocab_rows(weights) != padded:
+            donate = reshard_kw.pop("donate", False)
+            consumed = donate if callable(donate) else (lambda x: bool(donate))
+            fitted = fit_vocab(weights, padded)
+            fresh = [x for x in (fitted.embed, fitted.lm_head) if x is not None]
+            for old in (weights.embed, weights.lm_head):     # now copied into `fresh`; free them if donated
+                if isinstance(old, jax.Array) and consumed(old):
+                    old.delete()
+            reshard_kw["donate"] = lambda x: any(x is f for f in fresh) or consumed(x)
+            weights = fitted
         return reshard(weights, self.weight_shardings(mesh), **reshard_kw)
 
     def build_instance(self, index: int, mesh, weights, *, max_batch: int, num_pages: int | None = None) -> Instance:
@@ -108,6 +125,22 @@ class RolloutService:
             m["num_pages"] = num_pages
         pages = instance_pages(self.cfg, mesh, weights, **m)
         return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=max_batch, **self.instance_kw)
+
+    def _local_copies(self, weights, meshes) -> list | None:
+        """Multi-process: global weights (shards on every process) become this process's instance copies
+        by one collective on-device reshard (`sharding.to_local_groups`), never through the host; every
+        process calls this at the same point. None when the weights are already addressable here."""
+        if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in jax.tree.leaves(weights)):
+            return None
+        tps = {m.shape["tp"] for m in meshes}
+        if len(tps) != 1:
+            raise ValueError(f"global (multi-process) weights need instances of one tp size; got {sorted(tps)}")
+        tp = tps.pop()
+        padded = padded_vocab_for(self.cfg, Layout(tp=tp))
+        if vocab_rows(weights) != padded:          # the rollout's vocabulary padding, on the global arrays
+            weights = fit_vocab(weights, padded)
+        specs = jax.tree.map(lambda sh: sh.spec, self.weight_shardings(meshes[0]))
+        return to_local_groups(weights, specs, [list(m.devices.flat) for m in meshes], tp)
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *, instance: int | None = None) -> list[int]:
@@ -228,8 +261,9 @@ class RolloutService:
     def update_weights(self, weights: Weights) -> list:
         """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports."""
         reports, given = [], migration.buffers(weights)
-        for inst in self.instances:
-            inst.weights, r = self.place(weights, inst.mesh)
+        copies = self._local_copies(weights, [i.mesh for i in self.instances])
+        for k, inst in enumerate(self.instances):
+            inst.weights, r = self.place(weights if copies is None else copies[k], inst.mesh)
             inst.external = migration.buffers(inst.weights) & given
             reports.append(r)
         return reports

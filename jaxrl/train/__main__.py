@@ -15,7 +15,8 @@ from jaxrl.config.train import TrainConfig
 
 
 def _flags(argv: list[str]) -> list[str]:
-    """Map the friendly flags onto dotted overrides (`--run-dir D` -> `run_dir=D`)."""
+    """Map the friendly flags onto dotted overrides (`--run-dir D` -> `run_dir=D`, `--profile-steps 3:5`
+    or `profile_steps=3:5` -> `profile_steps=[3, 5]`)."""
     out, it = [], iter(argv)
     for a in it:
         for flag, key in (("--run-dir", "run_dir"), ("--profile-steps", "profile_steps")):
@@ -23,6 +24,10 @@ def _flags(argv: list[str]) -> list[str]:
                 a = f"{key}={next(it, '')}"
             elif a.startswith(flag + "="):
                 a = f"{key}={a.split('=', 1)[1]}"
+        key, _, value = a.removeprefix("--").partition("=")
+        if key == "profile_steps" and ":" in value:
+            start, _, stop = value.partition(":")
+            a = f"profile_steps=[{start.strip()}, {stop.strip()}]"
         out.append(a)
     return out
 

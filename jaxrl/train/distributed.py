@@ -4,7 +4,8 @@
 process are configured (flags, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID).
 On a CPU host it also sets the number of fake local devices and the gloo collectives, which must
 happen before JAX creates its backend. Only scalars cross processes here (`global_sum`); batches are
-assembled as global arrays from process-local pieces, never gathered on process 0.
+assembled as global arrays from process-local pieces, never gathered on process 0, and weights reach
+the rollout instances by an on-device reshard (`sharding.to_local_groups`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from jaxrl.config.train import DistributedSection
 
 def settings(d: DistributedSection) -> tuple[str | None, int, int]:
     coord = d.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
-    n = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    pid = d.process_id if d.process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "0"))
+    n = d.num_processes if d.num_processes is not None else int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    pid = d.process_id if d.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "0"))
     if n > 1 and not coord:
         raise SystemExit(f"{n} processes configured but no coordinator (distributed.coordinator or "
                          "JAX_COORDINATOR_ADDRESS)")
@@ -54,12 +55,3 @@ def global_max(x: int) -> int:
         return int(x)
     from jax.experimental import multihost_utils
     return int(np.max(multihost_utils.process_allgather(np.asarray([x], np.int64))))
-
-
-def to_local(tree):
-    """A process-local, fully-addressable copy of a (possibly multi-process) global pytree, leaf by
-    leaf through host memory; each process gathers for itself (nothing funnels through process 0)."""
-    if jax.process_count() == 1:
-        return tree
-    from jax.experimental import multihost_utils
-    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)

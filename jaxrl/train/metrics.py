@@ -176,9 +176,9 @@ class Profiler:
     profile one of them (pass ``steps=None`` elsewhere).
     """
 
-    def __init__(self, run_dir: str | Path, steps: str | None):
+    def __init__(self, run_dir: str | Path, steps: tuple[int, int] | str | None):
         self.logdir = Path(run_dir) / "tb"
-        self.window = parse_profile_steps(steps)
+        self.window = parse_profile_steps(steps) if isinstance(steps, str) else (tuple(steps) if steps else None)
         self.active = False
         self.done = False
 

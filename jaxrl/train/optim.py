@@ -35,7 +35,7 @@ def decay_mask(params):
 
 def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     lr = schedule(o, total_steps)
-    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm is not None else []
     parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
     return optax.chain(*parts), lr
 

@@ -17,9 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import algos
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards.registry import reward_fn_for
-from jaxrl.rollout import Completion, RolloutService, SamplingParams
+from jaxrl.rollout import Completion, RolloutService
 
-from .batch import Sample, pack, pack_rows, row_bucket, token_weights
+from .batch import Sample, pack, pack_rows, row_bucket
 from .distributed import global_max, global_sum
 
 
@@ -40,9 +40,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     r, G = cfg.rollout, cfg.algo.group_size
     order = []
     for ids, row in zip(prompts, rows):
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, n=G, stop_token_ids=tuple(eos_ids),
-                                seed=request_seed(cfg.seed, step, int(row["index"])))
+        params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])))
         order += svc.add(ids, params)
     slot = {rid: k for k, rid in enumerate(order)}
     comps: list[Completion | None] = [None] * len(order)
@@ -84,13 +82,35 @@ def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int]) -> l
     return [adv[i, :n] for i, n in enumerate(resp_lens)]
 
 
-def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int):
-    """Pack local samples into rows, agree on the row count across processes, and assemble global
-    arrays sharded over the mesh's data axes (each process contributes only its own rows)."""
+def batch_weights(samples: list[Sample], cfg: TrainConfig, max_new_tokens: int, *, fold: bool = True):
+    """Per-sequence token weights (float64 [n]) of the local samples and the update's denominator.
+
+    The aggregation is `cfg.algo.agg` from the `jaxrl.algos` registry; its denominator (tokens or
+    sequences) is counted over all processes. `fold=True` (the synchronous trainer) folds it into the
+    weights, 1/(D·q_i) — exactly the float64 expressions the trainer has always packed — and returns
+    denominator 1.0; `fold=False` returns the unnormalised 1/q_i and D (streamed, blockwise and
+    multi-device-group callers: they sum gradients, and `apply_update` divides by D once). Either way the
+    weights are multiplied by `algo.mini_batches`: each of the mini-batch updates sees 1/mini_batches
+    of the batch, and its loss is still that part's share of the global mean.
+    """
+    agg = cfg.algo.agg
     resp = np.asarray([len(s.response) for s in samples])
     n_tok, n_seq = global_sum([resp.sum(), len(samples)])
-    weights = token_weights(cfg.algo.agg, resp, global_tokens=int(n_tok), global_seqs=int(n_seq),
-                            max_new_tokens=max_new_tokens) * cfg.algo.mini_batches
+    denominator = int(n_tok) if algos.AGGREGATIONS[agg].denominator == "tokens" else int(n_seq)
+    if fold:
+        weights = algos.folded_token_weights(agg, resp, max_new_tokens, denominator=denominator)
+        denominator = 1.0
+    else:
+        weights, _ = algos.token_weights(agg, resp, max_new_tokens)
+        denominator = float(max(denominator, 1))
+    return weights * cfg.algo.mini_batches, denominator
+
+
+def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int):
+    """Pack local samples into rows, agree on the row count across processes, and assemble global
+    arrays sharded over the mesh's data axes (each process contributes only its own rows). The weights
+    have the denominator folded in (`batch_weights(fold=True)`): update with denominator 1.0."""
+    weights, _ = batch_weights(samples, cfg, max_new_tokens, fold=True)
     data = mesh.shape["dp"] * mesh.shape["fsdp"]
     per_proc = max(1, data // jax.process_count())
     multiple = per_proc * cfg.algo.micro_batches * cfg.algo.mini_batches

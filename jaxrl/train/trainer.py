@@ -24,18 +24,16 @@ from tqdm import tqdm
 from jaxrl.config import to_yaml
 from jaxrl.config.train import TrainConfig
 from jaxrl.data import DataLoader, PromptDataset, encode_demonstrations, encode_prompts
-from jaxrl.rewards.pool import RewardPool
-from jaxrl.rollout import RolloutService
 from models import init, load_hf, load_tokenizer, logical_axes, save_hf
-from sharding import ShardingRules, shardings_for
+from sharding import ShardingRules, padded_vocab_for, shardings_for
 
 from . import rl
 from .batch import Sample
 from .checkpoint import CheckpointManager
-from .distributed import global_sum, to_local
+from .distributed import global_sum
 from .metrics import MetricsLogger, Profiler
-from .optim import init_state, make_optimizer
-from .step import LossSpec, make_logprob_fn, make_train_step
+from .optim import init_state
+from .step import make_logprob_fn, make_train_step
 
 log = logging.getLogger("jaxrl.train")
 
@@ -55,28 +53,31 @@ class Trainer:
             raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
                              f"{jax.device_count()} are visible over {jax.process_count()} process(es)")
         self.mesh = layout.make_mesh(jax.devices())
-        self.shardings = shardings_for(logical_axes(self.model_cfg), self.mesh,
+        self.padded_vocab = padded_vocab_for(self.model_cfg, layout)     # vocab rows padded to a multiple of tp
+        self.shardings = shardings_for(logical_axes(self.model_cfg, vocab_size=self.padded_vocab), self.mesh,
                                        ShardingRules.train(self.model_cfg, layout))
         if cfg.model.hf_path:
-            _, self.params = load_hf(cfg.model.hf_path, dtype=self.dtype, shardings=self.shardings)
+            _, self.params = load_hf(cfg.model.hf_path, dtype=self.dtype, shardings=self.shardings,
+                                     vocab_size=self.padded_vocab)
         else:
-            self.params = init(jax.random.key(cfg.seed), self.model_cfg, self.dtype, shardings=self.shardings)
+            self.params = init(jax.random.key(cfg.seed), self.model_cfg, self.dtype, shardings=self.shardings,
+                               vocab_size=self.padded_vocab)
         self.ref_params = None
         self._setup_data()
-        self.tx, self.lr = make_optimizer(cfg.optim, cfg.steps * cfg.algo.mini_batches)
+        self.tx, self.lr = cfg.optim.build(cfg.steps * cfg.algo.mini_batches)
         self.opt_state = init_state(self.tx, self.params, self.shardings, self.mesh)
         temperature = cfg.rollout.temperature or 1.0
         a = cfg.algo
-        self.spec = LossSpec(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                             kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                             entropy_coef=a.entropy_coef, temperature=temperature)
+        self.spec = a.build(temperature=temperature, trainer=cfg.trainer)
+        # Fused grad_step scan + apply_update; rl.global_batch folds the denominator into the weights,
+        # so every update passes denominator 1.0 (bitwise the pre-split update).
         self.train_step = make_train_step(self.model_cfg, self.spec, self.tx, a.micro_batches)
-        self.logprob_fn = make_logprob_fn(self.model_cfg, temperature)
+        self.logprob_fn = make_logprob_fn(self.model_cfg, self.spec)
         e = cfg.engine
         self.pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
-        self.svc = RolloutService(self.model_cfg, to_local(self.params), devices=jax.local_devices(),
-                                  **e.service_kwargs())
-        self.pool = RewardPool(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s)
+        # Global params: every process's instances get their copies by an on-device reshard (no host trip).
+        self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices())
+        self.pool = cfg.rewards.build()
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
         self.resumed = self._maybe_resume()
@@ -127,7 +128,7 @@ class Trainer:
         self.ref_params = state.get("ref_params")
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
-        self.svc.update_weights(to_local(self.params))
+        self.svc.update_weights(self.params)
         if self.is_main:
             print(f"[train] resumed from {self.run_dir / 'checkpoints'} at RL step {self.step}", flush=True)
         return True
@@ -138,9 +139,10 @@ class Trainer:
         w = self.cfg.warm_start
         if w.steps == 0 or self.resumed:
             return
-        tx, _ = make_optimizer(w.optim, w.steps)
+        tx, _ = w.optim.build(w.steps)
         opt = init_state(tx, self.params, self.shardings, self.mesh)
-        step_fn = make_train_step(self.model_cfg, LossSpec(kind="sft"), tx, 1)
+        step_fn = make_train_step(self.model_cfg, self.cfg.algo.build(temperature=1.0, trainer=self.cfg.trainer,
+                                                                      kind="sft"), tx, 1)
         if w.batch_size % jax.process_count():
             raise SystemExit(f"warm_start.batch_size={w.batch_size} must divide over {jax.process_count()} processes")
         loader = DataLoader(self.dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
@@ -152,12 +154,12 @@ class Trainer:
             pairs = encode_demonstrations(next(loader), self.tokenizer, self.cfg.data.chat)
             samples = [Sample(p, r, 0.0) for p, r in pairs]
             batch = rl.global_batch(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens)
-            self.params, opt, m = step_fn(self.params, opt, batch)
+            self.params, opt, m = step_fn(self.params, opt, batch, 1.0)   # weights carry the denominator
             if i % 10 == 0 or i == w.steps - 1:
                 nll = float(m["nll"])
                 bar.set_postfix(nll=f"{nll:.3f}")
                 self.metrics.log_tb("warm_start/nll", nll, i)
-        self.svc.update_weights(to_local(self.params))
+        self.svc.update_weights(self.params)
 
     # ------------------------------------------------------------------------------------- RL step
     def rl_step(self) -> dict:
@@ -183,10 +185,10 @@ class Trainer:
         rows_per = batch["tokens"].shape[0] // mb
         for k in range(mb):
             part = {n: v[k * rows_per:(k + 1) * rows_per] for n, v in batch.items() if v is not None}
-            self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, part)
+            self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, part, 1.0)
         m = jax.device_get(m)
         t3 = time.perf_counter()
-        self.svc.update_weights(to_local(self.params))
+        self.svc.update_weights(self.params)
         t4 = time.perf_counter()
         if int(m["skipped"]):
             log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
@@ -235,7 +237,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=f"{m['response_len_mean']:.1f}")
                 self.step += 1
-                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
+                if (cfg.save_every is not None and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                     self._save()
             bar.close()
             if cfg.export_hf:

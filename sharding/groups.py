@@ -1,0 +1,65 @@
+"""Global (multi-process) arrays -> process-local copies on groups of this process's devices, on the devices.
+
+A rollout instance lives on one process's devices, while the training weights are global arrays whose
+shards sit on every process. `to_local_groups(tree, specs, groups)` makes every process's instance copies
+in one collective on-device reshard, with no host round trip:
+
+  1. a *mirror* mesh over every device of every process, one row per instance (each process's devices
+     split into contiguous groups of `tp`, processes in order), axes ("dp", "fsdp", "tp") = (rows, 1, tp);
+  2. `jax.device_put` of each leaf to `NamedSharding(mirror, spec)`: the rollout spec (only `tp` or
+     None entries), so every row holds a full rollout copy, tp-sharded inside the row (XLA's collective
+     over the same device set as the source);
+  3. each process assembles its own rows into arrays on its groups' meshes from the shards it already
+     holds (`jax.make_array_from_single_device_arrays`: no copy).
+
+Every process must call it at the same point with the same `tp` (SPMD), and the source leaves must live on
+all devices (the training mesh does). Leaves move one at a time, so the transient is one leaf's copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .layout import MESH_AXES, Layout
+
+
+def mirror_mesh(tp: int) -> Mesh:
+    """All devices of all processes as rows of `tp` contiguous devices of one process each."""
+    rows = []
+    for p in range(jax.process_count()):
+        devs = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        if len(devs) % tp:
+            raise ValueError(f"process {p} has {len(devs)} devices, not a multiple of tp={tp}")
+        rows += [devs[i:i + tp] for i in range(0, len(devs), tp)]
+    grid = np.empty((len(rows), 1, tp), dtype=object)
+    for r, row in enumerate(rows):
+        for t, d in enumerate(row):
+            grid[r, 0, t] = d
+    return Mesh(grid, MESH_AXES)
+
+
+def to_local_groups(tree: Any, specs: Any, groups: Sequence[Sequence], tp: int) -> list[Any]:
+    """One copy of `tree` per device group in `groups` (this process's devices, `tp` each), each leaf a
+    `NamedSharding(Layout(tp).make_mesh(group), spec)` with its spec from `specs` (a PartitionSpec tree)."""
+    if any(len(g) != tp for g in groups):
+        raise ValueError(f"every group must have tp={tp} devices: {[len(g) for g in groups]}")
+    mirror = mirror_mesh(tp)
+    meshes = [Layout(tp=tp).make_mesh(list(g)) for g in groups]
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if len(spec_leaves) != len(leaves):
+        raise ValueError(f"specs tree has {len(spec_leaves)} leaves, the tree {len(leaves)}")
+    out: list[list] = [[] for _ in groups]
+    for x, spec in zip(leaves, spec_leaves):
+        m = jax.device_put(x, NamedSharding(mirror, spec))
+        by_device = {s.device: s.data for s in m.addressable_shards}
+        for copies, mesh in zip(out, meshes):
+            sh = NamedSharding(mesh, spec)
+            copies.append(jax.make_array_from_single_device_arrays(
+                x.shape, sh, [by_device[d] for d in sh.addressable_devices_indices_map(x.shape)]))
+    return [jax.tree.unflatten(treedef, c) for c in out]
