@@ -100,3 +100,17 @@ def test_two_processes_equal_one(tmp_path):
         assert [r[key] for r in m1] == [r[key] for r in m2], key      # the same rollouts
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+
+def test_quickstart_metrics_unchanged(tmp_path):
+    """The quickstart recipe, shortened, reproduces the per-step metrics recorded before the movable-state
+    refactor (tests/golden/quickstart_short.json) exactly: same seed -> same rollouts, rewards, losses."""
+    golden = json.loads((ROOT / "tests" / "golden" / "quickstart_short.json").read_text())
+    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "steps=6", "warm_start.steps=10",
+           "save_every=null", "export_hf=false"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert len(rows) == len(golden["steps"])
+    for step, (row, want) in enumerate(zip(rows, golden["steps"])):
+        assert {k: row[k] for k in want} == want, step
