@@ -37,7 +37,7 @@ from sharding import Layout, ShardingRules
 
 from .executor import Executor
 from .kv_store import KVStore
-from .scheduler import DecodeBatch, Scheduler, Sequence, SequenceState, bucket, fine_bucket  # noqa: F401
+from .scheduler import Scheduler, Sequence, SequenceState
 
 
 @dataclasses.dataclass

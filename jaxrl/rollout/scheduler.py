@@ -194,10 +194,15 @@ class Scheduler:
             group = [s for s in self.waiting if head.group is not None and s.group == head.group
                      and s.computed == 0 and not s.out and not s.pages] if self.prefix_sharing else []
             group = group or [head]
+            per_seq = self.pool.pages_for(len(head))
+            shared = (len(head.prompt) - 1) // self.pool.page_size
+            # A group that could never run at once (more samples than max_batch, or more pages than the
+            # whole pool) is admitted in parts; each part shares its own prefill. Otherwise it waits whole.
+            fits_pool = 1 + max(0, (self.pool.capacity - per_seq) // max(per_seq - shared, 1))
+            group = group[:min(self.max_batch, fits_pool)]
             if len(self.running) + sum(map(len, admitted)) + len(group) > self.max_batch:
                 break
-            per_seq = self.pool.pages_for(len(head))
-            shared = (len(head.prompt) - 1) // self.pool.page_size if len(group) > 1 else 0
+            shared = shared if len(group) > 1 else 0
             need = per_seq - len(head.pages) + (len(group) - 1) * (per_seq - shared)
             if need > self.pool.available:
                 if self.running or admitted or not self._evict_waiting_kv(need):

@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl.rollout.instance import fine_bucket
+from jaxrl.rollout.scheduler import fine_bucket
 
 
 @dataclasses.dataclass
