@@ -49,6 +49,20 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
+def cpu_upcast(*xs):
+    """Operands of a dot that accumulates in float32, made safe for XLA:CPU.
+
+    XLA:CPU has no BF16 x BF16 = F32 (nor F16) dot kernel: it usually upcasts such dots itself, but not
+    every dot in every graph ("Unsupported element type for DotThunk::Execute"). On the CPU backend
+    (decided at trace time) bfloat16/float16 operands are cast to float32 here; every bf16/f16 value and
+    the product of two of them are exact in float32, so this is the same math as bf16 products
+    accumulated in float32. Elsewhere, and for float32 operands, the operands come back unchanged.
+    """
+    if jax.default_backend() != "cpu":
+        return xs
+    return tuple(x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in xs)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes (powers of two, >= 16 for Triton's dot) for the forward and the two backward kernels.
@@ -142,12 +156,12 @@ def attention_reference(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, wi
     S, K = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, K, H // K, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("btkgd,bskd->bkgts", *cpu_upcast(qg, k), preferred_element_type=jnp.float32) * scale
     mask = attention_mask(T, S, q_offset=q_offset, kv_lengths=kv_lengths, causal=causal, window=window,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, batch=B)
     s = jnp.where(mask[:, None, None], s, _MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1)[:, None, None, :, None]
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bskd->btkgd", *cpu_upcast(p.astype(v.dtype), v), preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, D).astype(q.dtype)
 
 

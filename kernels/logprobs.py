@@ -70,6 +70,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels.attention import cpu_upcast
+
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf" for the running max (0 * it stays 0)
 
 
@@ -80,7 +82,7 @@ def token_logprobs_reference(hidden, w, targets, *, temperature: float = 1.0, va
     `valid_vocab`: only the first valid_vocab columns of w are the vocabulary (see `token_logprobs`)."""
     hidden, targets, lead = _check(hidden, w, targets, temperature, 1)
     valid_vocab = _check_valid_vocab(valid_vocab, w)
-    logits = jnp.matmul(hidden, w[:, :valid_vocab], preferred_element_type=jnp.float32) / temperature
+    logits = jnp.matmul(*cpu_upcast(hidden, w[:, :valid_vocab]), preferred_element_type=jnp.float32) / temperature
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, targets[:, None], axis=-1)[:, 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
@@ -181,7 +183,7 @@ def _put_cols_cpu(d_w, cols, start):
 def _tile(hidden, w, start, width: int, temperature: float):
     """Scaled float32 logits of one vocabulary chunk [N, width] and its w columns [E, width]."""
     w_c = _get_cols(w, jnp.asarray(start, jnp.int32), width)
-    z = jnp.matmul(hidden, w_c, preferred_element_type=jnp.float32)
+    z = jnp.matmul(*cpu_upcast(hidden, w_c), preferred_element_type=jnp.float32)
     return z / temperature if temperature != 1.0 else z, w_c
 
 
@@ -237,8 +239,8 @@ def _backward(temperature, chunk, with_entropy, valid_vocab, res, cts):
         if temperature != 1.0:
             dz = dz / temperature
         dz = dz.astype(cdt)
-        d_h = d_h + jnp.matmul(dz, w_c.T.astype(cdt), preferred_element_type=jnp.float32)
-        d_w_c = jnp.matmul(hidden.T.astype(cdt), dz, preferred_element_type=jnp.float32)
+        d_h = d_h + jnp.matmul(*cpu_upcast(dz, w_c.T.astype(cdt)), preferred_element_type=jnp.float32)
+        d_w_c = jnp.matmul(*cpu_upcast(hidden.T.astype(cdt), dz), preferred_element_type=jnp.float32)
         d_w = _put_cols(d_w, d_w_c.astype(w.dtype), jnp.asarray(start, jnp.int32))
         return d_h, d_w
 

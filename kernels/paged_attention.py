@@ -56,6 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.attention import cpu_upcast
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _MIN_BLOCK_H = 16  # Triton's dot wants at least 16 rows: the query-head group is padded up to this.
 
@@ -168,10 +170,10 @@ def group_partials(q, k, v, valid, scale):
     qs = q.astype(k.dtype)
     os_, ls, ms = [], [], []
     for g in range(q.shape[2]):
-        s = jnp.einsum("nkd,nksd->nks", qs[:, :, g], k, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("nkd,nksd->nks", *cpu_upcast(qs[:, :, g], k), preferred_element_type=jnp.float32) * scale
         m = jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=-1)
         p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
-        os_.append(jnp.einsum("nks,nksd->nkd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+        os_.append(jnp.einsum("nks,nksd->nkd", *cpu_upcast(p.astype(v.dtype), v), preferred_element_type=jnp.float32))
         ls.append(jnp.sum(p, axis=-1))
         ms.append(m)
     return jnp.stack(os_, 2), jnp.stack(ls, 2), jnp.stack(ms, 2)

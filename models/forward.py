@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import attention
+from kernels.attention import cpu_upcast
 
 from . import layers as L
 from .config import ModelConfig
@@ -98,7 +99,7 @@ def _head(weights: Weights, cfg: ModelConfig, x: jax.Array, return_hidden: bool)
     """Hidden states, or float32 logits over the real vocabulary (padded columns, if any, sliced off)."""
     if return_hidden:
         return x
-    logits = jnp.einsum("bte,ev->btv", x, lm_head(weights), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bte,ev->btv", *cpu_upcast(x, lm_head(weights)), preferred_element_type=jnp.float32)
     return logits[..., :cfg.vocab_size] if logits.shape[-1] != cfg.vocab_size else logits
 
 

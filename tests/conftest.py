@@ -7,3 +7,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:              # not Linux: no limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_executables():
+    """Free compiled executables once they hold too many memory mappings. Each XLA:CPU executable holds
+    several (about 30 with 8 devices) and a process may have 65530 (vm.max_map_count); the whole suite
+    in one process compiles enough to exceed that, and LLVM then aborts a compilation."""
+    yield
+    if _mappings() > 20000:
+        from jaxrl.rollout import CACHE
+
+        CACHE.clear()
+        jax.clear_caches()
+        gc.collect()

@@ -1,5 +1,8 @@
-"""jaxrl.train.checkpoint: sharded round trips, resharding on restore, retention, interrupted saves."""
+"""jaxrl.train.checkpoint: sharded round trips, resharding on restore, retention, interrupted saves,
+commit markers and falling back past damaged checkpoints."""
 
+import json
+import logging
 import os
 import shutil
 import subprocess
@@ -15,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.train.checkpoint import CheckpointManager
+from jaxrl.train.checkpoint import MARKER, CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,3 +182,172 @@ def test_kill_right_after_save_returns_keeps_the_step(tmp_path, mesh):
     assert step == 3 and meta == {"cursor": 17}
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(64, dtype=np.float32).reshape(16, 4))
     assert restored["w"].sharding == target["w"].sharding
+
+
+# ------------------------------------------------------------------ verification and corrupt checkpoints
+
+
+def _largest_array_file(step_dir: Path) -> Path:
+    # The merged OCDBT data files that restore reads (state/ocdbt.process_N/ holds per-process copies).
+    files = [p for p in (step_dir / "state" / "d").iterdir() if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate_array(d):
+    f = _largest_array_file(d)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _empty_meta(d):
+    (d / "meta" / "metadata").write_bytes(b"")
+
+
+def _delete_marker(d):
+    (d / MARKER).unlink()
+
+
+def _drop_state_dir(d):  # a directory part missing
+    shutil.rmtree(d / "state")
+
+
+def _garbage_marker(d):
+    (d / MARKER).write_bytes(b"\x00\xffnot json{")
+
+
+def _make_legacy(d):
+    """What a checkpoint written before markers looks like: no marker, no format in orbax's metadata."""
+    (d / MARKER).unlink()
+    md = json.loads((d / "_CHECKPOINT_METADATA").read_text())
+    md.pop("custom_metadata", None)
+    (d / "_CHECKPOINT_METADATA").write_text(json.dumps(md))
+
+
+def _save_two(path, mesh, **kw):
+    with CheckpointManager(path, **kw) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(mesh, seed=step), {"step": step})
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "jaxrl.train.checkpoint" and r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (_truncate_array, "bytes, COMMITTED says"),
+        (_empty_meta, "meta/metadata"),
+        (_delete_marker, "no COMMITTED marker"),
+        (_drop_state_dir, "is missing"),
+        (_garbage_marker, "COMMITTED marker is unreadable"),
+    ],
+    ids=["truncated-array", "empty-meta", "deleted-marker", "missing-state-dir", "garbage-marker"],
+)
+def test_damaged_newest_falls_back_to_previous(tmp_path, mesh, caplog, damage, why):
+    _save_two(tmp_path, mesh)
+    damage(tmp_path / "2")
+    caplog.set_level(logging.WARNING, logger="jaxrl.train.checkpoint")
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() == 1
+        step, restored, meta = mgr.restore(target=make_state(mesh))
+    assert step == 1 and meta == {"step": 1}
+    assert_same_values(restored, make_state(mesh, seed=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.corrupt"]
+    msgs = _warnings(caplog)
+    assert len(msgs) == 1, msgs
+    assert str(tmp_path / "2") in msgs[0] and why in msgs[0] and "2.corrupt" in msgs[0]
+    assert "\n" not in msgs[0]
+
+
+def test_damage_seen_by_the_same_manager_and_explicit_step(tmp_path, mesh, caplog):
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state(mesh, seed=step), {"step": step})
+        _empty_meta(tmp_path / "3")  # verified at save time; the cache must notice the change
+        assert mgr.restore(target=make_state(mesh))[0] == 2
+        _truncate_array(tmp_path / "1")
+        with pytest.raises(FileNotFoundError, match="unusable"):
+            mgr.restore(1, target=make_state(mesh))
+        assert mgr.all_steps() == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1.corrupt", "2", "3.corrupt"]
+
+
+def test_nothing_good_starts_fresh(tmp_path, mesh, caplog):
+    _save_two(tmp_path, mesh)
+    _garbage_marker(tmp_path / "1")
+    _empty_meta(tmp_path / "2")
+    caplog.set_level(logging.WARNING, logger="jaxrl.train.checkpoint")
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(target=make_state(mesh)) is None
+        assert mgr.latest_step() is None and mgr.meta() is None
+        msgs = _warnings(caplog)
+        assert len(msgs) == 3 and "starting fresh" in msgs[-1] and str(tmp_path) in msgs[-1], msgs
+        assert mgr.save(1, make_state(mesh, seed=9), {})  # and the run goes on from scratch
+        assert mgr.restore(target=make_state(mesh))[0] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "1.corrupt", "2.corrupt"]
+
+
+def test_corrupt_names_do_not_collide(tmp_path, mesh):
+    _save_two(tmp_path, mesh)
+    (tmp_path / "2.corrupt").mkdir()
+    (tmp_path / "2.corrupt.1").mkdir()
+    _delete_marker(tmp_path / "2")
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() == 1
+    assert (tmp_path / "2.corrupt.2" / "state").is_dir()
+
+
+def test_marker_written_and_round_trip_bit_identical(tmp_path, mesh):
+    state = make_state(mesh, seed=11)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(4, state, META)
+    marker = json.loads((tmp_path / "4" / MARKER).read_text())
+    assert marker["step"] == 4 and "meta/metadata" in marker["files"]
+    assert not (tmp_path / "4" / (MARKER + ".tmp")).exists()
+    for rel, entry in marker["files"].items():
+        assert (tmp_path / "4" / rel).stat().st_size == entry["size"]
+    with CheckpointManager(tmp_path) as mgr:
+        step, restored, meta = mgr.restore(target=state)
+    assert step == 4 and meta == META
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_legacy_checkpoints_without_marker(tmp_path, mesh, caplog):
+    _save_two(tmp_path, mesh)
+    _make_legacy(tmp_path / "1")
+    _make_legacy(tmp_path / "2")
+    with CheckpointManager(tmp_path) as mgr:  # intact legacy steps load as before
+        step, restored, meta = mgr.restore(target=make_state(mesh))
+        assert step == 2 and meta == {"step": 2}
+        assert_same_values(restored, make_state(mesh, seed=2))
+    _truncate_array(tmp_path / "2")  # a damaged legacy step fails its restore and is moved aside
+    caplog.set_level(logging.WARNING, logger="jaxrl.train.checkpoint")
+    with CheckpointManager(tmp_path) as mgr:
+        step, restored, meta = mgr.restore(target=make_state(mesh))
+    assert step == 1 and meta == {"step": 1}
+    assert_same_values(restored, make_state(mesh, seed=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.corrupt"]
+    msgs = _warnings(caplog)
+    assert len(msgs) == 1 and str(tmp_path / "2") in msgs[0], msgs
+
+
+def test_target_mismatch_is_not_corruption(tmp_path, mesh):
+    _save_two(tmp_path, mesh)
+    bad = make_state(mesh)
+    bad["counter"] = np.zeros(3, np.int64)
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="does not match"):
+        mgr.restore(target=bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_keep_policy_ignores_corrupt_dirs(tmp_path, mesh):
+    _save_two(tmp_path, mesh, keep=2)
+    _truncate_array(tmp_path / "2")
+    with CheckpointManager(tmp_path, keep=2) as mgr:
+        assert mgr.latest_step() == 1
+        for step in (2, 3, 4):
+            mgr.save(step, make_state(mesh, seed=step), {"step": step})
+        assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2.corrupt", "3", "4"]

@@ -13,6 +13,7 @@ runs each step once on dummy inputs whose every row is padding, so it writes onl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -47,12 +48,17 @@ def _signature(args) -> tuple:
 
 @dataclasses.dataclass
 class ExecutableCache:
-    """AOT-compiled executables by (name, static args, input signature); counts compilations."""
+    """AOT-compiled executables by (name, static args, input signature); counts compilations.
 
+    Least-recently-used entries beyond `maxsize` are dropped (and recompiled, counted, if needed again):
+    every XLA:CPU executable holds a few memory mappings per device, and a process has a limited number
+    (vm.max_map_count), so an unbounded cache eventually makes LLVM abort a later compilation."""
+
+    maxsize: int = 512
     compiles: int = 0
     compile_s: float = 0.0
     calls: int = 0
-    _table: dict = dataclasses.field(default_factory=dict)
+    _table: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
     def __call__(self, name: str, fn, *args, **static):
         key = (name, tuple(sorted(static.items())), _signature(args))
@@ -63,8 +69,16 @@ class ExecutableCache:
             self.compile_s += time.perf_counter() - t
             self.compiles += 1
             self._table[key] = exe
+            while len(self._table) > self.maxsize:
+                self._table.popitem(last=False)
+        else:
+            self._table.move_to_end(key)
         self.calls += 1
         return exe(*args)
+
+    def clear(self):
+        """Drop every executable (the counters stay)."""
+        self._table.clear()
 
     def __len__(self):
         return len(self._table)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import attention, normalize, paged_decode_attention
+from kernels.attention import cpu_upcast
 from kernels.paged_attention import gather_pages
 from models import ModelConfig, decoder_stack, lm_head
 
@@ -39,7 +40,7 @@ def _logits(weights, h, vocab_size: int):
     columns are float32's lowest finite value, so `sampling.sample` never picks them: they are never the
     argmax, and exp(x - max) puts them below its -80 cut-off (exactly zero weight; at temperature < 1 they
     become -inf, which the cut-off also zeroes), and they add nothing to the log-partition."""
-    logits = jnp.einsum("be,ev->bv", h, lm_head(weights), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("be,ev->bv", *cpu_upcast(h, lm_head(weights)), preferred_element_type=jnp.float32)
     if logits.shape[-1] == vocab_size:
         return logits
     real = jnp.arange(logits.shape[-1], dtype=jnp.int32) < vocab_size

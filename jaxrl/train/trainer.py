@@ -123,7 +123,11 @@ class Trainer:
         if self.cfg.algo.kl_coef:
             self.ref_params = self.params
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
-        step, state, meta = self.ckpt.restore(target=target)
+        got = self.ckpt.restore(target=target)
+        if got is None:          # every checkpoint was unusable (moved aside, logged): start fresh
+            self.ref_params = None
+            return False
+        step, state, meta = got
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.ref_params = state.get("ref_params")
         self.step = int(meta["step"])
