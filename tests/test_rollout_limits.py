@@ -2,7 +2,6 @@
 in parts; requests that can never fit are refused at submission with both numbers."""
 
 import jax
-import numpy as np
 import pytest
 
 from jaxrl.rollout import RolloutService, SamplingParams, generate

@@ -25,6 +25,8 @@ class SamplingSection(Section):
         check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ConfigError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k == 0 and not isinstance(self.top_k, bool):
+            raise ConfigError("top_k", "0 no longer means 'off': use null for no top-k truncation, or k >= 1")
         if self.top_k is not None:
             check_int("top_k", self.top_k, minimum=1)
         check_float("top_p", self.top_p, above=0.0)
