@@ -66,10 +66,12 @@ def test_registry():
     assert reward_fn_for("copy") == reward_fn_for("add") == "builtin"
     assert resolve("math")("\\boxed{2}", "2", "math") == 1.0
     assert resolve(T + "raise_error").__name__ == "raise_error"
-    with pytest.raises(KeyError, match="valid choices: builtin, math"):
+    with pytest.raises(KeyError, match="unknown reward 'mathh'; registered: builtin, math"):
         resolve("mathh")
-    with pytest.raises(KeyError, match="cannot import"):
+    with pytest.raises(KeyError, match="has no function 'no_such_fn'"):
         resolve("jaxrl.rewards._testing:no_such_fn")
+    with pytest.raises(KeyError, match="cannot import module 'jaxrl.no_such_module'"):
+        resolve("jaxrl.no_such_module:fn")
 
 
 def test_builtin_fn_matches_task_scorer():
@@ -127,6 +129,23 @@ def test_pool_crash_scores_zero_and_pool_recovers(pool, fn):
     assert scores.tolist() == [1.0] * 3
 
 
+def test_pool_results_carry_the_cause(pool):
+    """A failed result says why (the trainer reports the first one when every reward of a step fails)."""
+    want = {"crash_exit": "worker died (exit code 3)", "segfault": "worker died (killed by SIGSEGV)",
+            "raise_error": "RuntimeError: deliberate failure in a reward fn",
+            "return_nan": "ValueError: non-finite score nan"}
+    ids = {pool.submit((T + fn, "", "", "")): fn for fn in want}
+    ids[pool.submit((T + "sleep_forever", "", "", ""), timeout_s=0.2)] = "sleep_forever"
+    ids[pool.submit(("math", "\\boxed{2}", "2", "math"))] = "math"
+    got = []
+    start = time.monotonic()
+    while pool.num_pending and time.monotonic() - start < TIMEOUT_S + SLACK_S:
+        got += pool.poll(timeout=0.2)
+    errors = {ids[r.id]: (r.status, r.error) for r in got}
+    assert errors == {**{fn: ("crash", e) for fn, e in want.items()},
+                      "sleep_forever": ("timeout", "timed out after 0.2s"), "math": ("ok", "")}
+
+
 def test_pool_streaming(pool):
     slow = pool.submit((T + "sleep_then_one", "0.6", "", ""))
     fast = pool.submit((T + "sleep_then_one", "0.0", "", ""))
@@ -139,8 +158,8 @@ def test_pool_streaming(pool):
         got += pool.poll(timeout=0.2)
     assert pool.num_pending == 0 and len(got) == 4
     by_id = {r.id: r for r in got}
-    assert by_id[slow] == (slow, 1.0, "ok") and by_id[fast] == (fast, 1.0, "ok")
-    assert by_id[hang] == (hang, 0.0, "timeout") and by_id[ok] == (ok, 1.0, "ok")
+    assert by_id[slow] == (slow, 1.0, "ok", "") and by_id[fast] == (fast, 1.0, "ok", "")
+    assert by_id[hang] == (hang, 0.0, "timeout", "timed out after 0.3s") and by_id[ok] == (ok, 1.0, "ok", "")
     order = [r.id for r in got]
     assert order.index(fast) < order.index(slow)  # completion order, not submission order
     assert pool.poll() == []
@@ -168,11 +187,11 @@ def test_pool_streaming_and_batch_do_not_steal_results(pool):
     got = []
     while pool.num_pending:
         got += pool.poll(timeout=0.2)
-    assert got == [(i, 1.0, "ok")]
+    assert got == [RewardResult(i, 1.0, "ok")]
 
 
 def test_pool_rejects_bad_input(pool):
-    with pytest.raises(KeyError, match="unknown reward fn"):
+    with pytest.raises(KeyError, match="unknown reward 'nope'"):
         pool.submit(("nope", "", "", ""))
     with pytest.raises(ValueError, match="timeout_s"):
         pool.submit(("math", "", "", ""), timeout_s=0)
@@ -188,7 +207,7 @@ def test_in_process_pool():
                                  (T + "return_nan", "", "", "")])
         assert scores.tolist() == [1.0, 0.0, 0.0] and stats["crashes"] == 2 and p.total_crashes == 2
         i = p.submit(("math", "\\boxed{3}", "3", "math"))
-        assert p.poll() == [(i, 1.0, "ok")]
+        assert p.poll() == [RewardResult(i, 1.0, "ok")]
 
 
 def test_close_kills_workers_and_refuses_work():

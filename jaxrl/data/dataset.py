@@ -1,15 +1,19 @@
-"""Prompt datasets: rows {prompt, answer, task} from JSONL, Parquet or the built-in task suite.
+"""Prompt datasets: rows {prompt, answer, task[, reward]} from JSONL, Parquet or the built-in task suite.
 
-A row is valid when its prompt and answer are non-empty strings (and its task, where the file has one,
-is a string). Anything else — a line that is not JSON, a missing key, a number or null where a string
-belongs — is skipped, counted in `dataset.skipped`, and the first such row is kept as text in
-`dataset.skipped_example` and logged with the count, so a bad export shows up in the log instead of
-silently shrinking the dataset. A file with no valid row at all is an error, as is a Parquet file
-without the requested columns (a configuration mistake, not a bad row).
+A row is valid when its prompt and answer are non-empty strings (and its task and reward, where the file
+has them, are non-empty strings; null counts as absent). Anything else — a line that is not JSON, a
+missing key, a number or null where a string belongs — is skipped, counted in `dataset.skipped`, and the
+first such row is kept as text in `dataset.skipped_example` and logged with the count, so a bad export
+shows up in the log instead of silently shrinking the dataset. A file with no valid row at all is an
+error, as is a Parquet file without the requested columns (a configuration mistake, not a bad row).
 
 DeepScaleR-style files (`problem`/`answer` columns, no task column) load with
 `from_parquet(path, prompt_key="problem")`; rows without a task field get `default_task` ("math",
 scored by the math verifier in `jaxrl.rewards`).
+
+A `"reward"` field (key or column) names the reward function of that row — a registered name or
+"package.module:function" (see `jaxrl.rewards.registry`); rows keep it only when it is set, so rows
+without one (and the built-in rows) are exactly {prompt, answer, task}.
 
 Every process holds the row table (prompts are text: tens of MB for 40k math problems, and Parquet
 reads only the requested columns) but consumes, tokenizes and generates only its own shard: the
@@ -30,6 +34,7 @@ from .tasks import make_suite
 logger = logging.getLogger(__name__)
 
 Row = dict[str, str]
+REWARD_KEY = "reward"  # optional per-row reward-function name
 _SNIPPET = 200
 
 
@@ -57,11 +62,17 @@ def _check(record, prompt_key: str, answer_key: str, task_key: str, default_task
         task = default_task
     elif not isinstance(task, str) or not task:
         return f"{task_key!r} is {type(task).__name__}, not a non-empty string"
-    return {"prompt": fields[prompt_key], "answer": fields[answer_key], "task": task}
+    row = {"prompt": fields[prompt_key], "answer": fields[answer_key], "task": task}
+    reward = record.get(REWARD_KEY)
+    if reward is not None:
+        if not isinstance(reward, str) or not reward.strip():
+            return f"{REWARD_KEY!r} is {type(reward).__name__}, not a non-empty string"
+        row[REWARD_KEY] = reward
+    return row
 
 
 class PromptDataset(Sequence[Row]):
-    """An indexable list of rows {"prompt", "answer", "task"} plus what was skipped while loading."""
+    """An indexable list of rows {"prompt", "answer", "task"[, "reward"]} and what was skipped loading them."""
 
     def __init__(self, rows: Iterable[Row], *, source: str = "<memory>", skipped: int = 0,
                  skipped_example: str | None = None):
@@ -125,7 +136,7 @@ class PromptDataset(Sequence[Row]):
     @classmethod
     def from_parquet(cls, path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
                      task_key: str = "task", default_task: str = "math") -> "PromptDataset":
-        """Reads only the prompt, answer (and task, if present) columns, batch by batch."""
+        """Reads only the prompt, answer (and task and reward, if present) columns, batch by batch."""
         import pyarrow.parquet as pq
 
         f = pq.ParquetFile(path)
@@ -133,7 +144,7 @@ class PromptDataset(Sequence[Row]):
         missing = [k for k in (prompt_key, answer_key) if k not in names]
         if missing:
             raise ValueError(f"{os.fspath(path)}: no column(s) {missing}; columns are {names}")
-        columns = [prompt_key, answer_key] + ([task_key] if task_key in names else [])
+        columns = [prompt_key, answer_key] + [k for k in (task_key, REWARD_KEY) if k in names]
 
         def records():
             index = 0

@@ -1,16 +1,24 @@
 """Rewards: verifiers by name, scored in a process pool with hard per-sample timeouts.
 
-    from jaxrl.rewards import RewardPool, reward_fn_for
+    from jaxrl.rewards import RewardPool, check_rewards, reward_name, reward_names
     with RewardPool(num_workers=4, timeout_s=5.0) as pool:
-        scores, stats = pool.score([(reward_fn_for(task), response, answer, task), ...])
+        check_rewards(reward_names(rows, fn, registry), pool)   # start-up: every name resolves, or ValueError
+        scores, stats = pool.score([(reward_name(row, fn, registry), response, row["answer"], row["task"]), ...])
 
-`registry` maps names to `fn(response, answer, task) -> float` ("math": math-verify equivalence,
-"builtin": the synthetic tasks' own scorers); `pool` runs them (batch `score`, or streaming
-`submit`/`poll`); a timeout or crash scores 0 and is counted, never a hung step.
+A reward is `fn(response: str, answer: str, task: str) -> float`, named by a registered name ("math":
+math-verify equivalence, "builtin": the synthetic tasks' own scorers) or an import path
+"package.module:function". **Your own reward**: put the function in a module importable in a fresh
+interpreter (the directory `python -m jaxrl.train` starts in, `PYTHONPATH`, or an installed package)
+and name it per row (a `"reward"` field in the data), for every row (`rewards.fn`), or under a short
+name (`rewards.registry`); see `registry` for the order. `check_rewards` resolves every name the data
+uses, here and in a worker, before training starts. `pool` runs them (batch `score`, or streaming
+`submit`/`poll`); a timeout or crash scores 0 and is counted with its cause, never a hung step.
 """
 
 from .math import math_reward
 from .pool import RewardItem, RewardPool, RewardResult
-from .registry import REWARD_FNS, resolve, reward_fn_for
+from .registry import (REWARD_FNS, RewardLookupError, check_rewards, resolve, reward_fn_for, reward_name,
+                       reward_names)
 
-__all__ = ["REWARD_FNS", "RewardItem", "RewardPool", "RewardResult", "math_reward", "resolve", "reward_fn_for"]
+__all__ = ["REWARD_FNS", "RewardItem", "RewardLookupError", "RewardPool", "RewardResult", "check_rewards",
+           "math_reward", "resolve", "reward_fn_for", "reward_name", "reward_names"]

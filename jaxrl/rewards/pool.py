@@ -5,8 +5,10 @@
         # stats == {"timeouts": 0, "crashes": 0, "seconds": 0.31}
 
         i = pool.submit(("builtin", response, answer, "copy"))                  # streaming (RollPacker)
-        for r in pool.poll(timeout=0.1):                                        # RewardResult(id, score, status)
+        for r in pool.poll(timeout=0.1):                         # RewardResult(id, score, status, error)
             ...
+
+        pool.check(["math", "my_rewards:score"])   # {name: why it does not resolve in a worker}
 
 An item is `(fn, response, answer, task)` where `fn` names a reward function (`registry.resolve`). Every
 item ends with exactly one status:
@@ -15,6 +17,9 @@ item ends with exactly one status:
 * `"timeout"` it ran longer than its timeout: its worker is SIGKILLed and replaced, the score is 0.
 * `"crash"`   the function raised, returned a non-finite value, or its worker died (`os._exit`, a
               segfault, the OOM killer): the score is 0; a dead worker is replaced.
+
+A failed result carries its cause in `RewardResult.error` ("ZeroDivisionError: division by zero",
+"timed out after 5s", "worker died (killed by SIGSEGV)"); an ok result has `error == ""`.
 
 Failures are counted per call (`stats`) and over the pool's life (`total_timeouts`, `total_crashes`)
 so the trainer can log them as metrics; a step never waits on a hung verifier.
@@ -32,6 +37,11 @@ Design:
   pipe and process sentinel with `multiprocessing.connection.wait`, with a timeout equal to the nearest
   deadline. A timeout is therefore enforced within milliseconds of its deadline, independent of how
   often the caller polls, and scoring proceeds while the caller is busy (e.g. dispatching decode steps).
+* Each worker starts with the parent's `sys.path` as it is at that moment (`multiprocessing` sends it
+  with both start methods, `""` made the parent's start directory), so a reward module the parent can
+  import — from `PYTHONPATH`, the directory `python -m ...` started in, or a directory added to
+  `sys.path` at run time before the pool starts — imports in the workers too. `check(names)` resolves
+  names in a fresh process started exactly like a worker, and reports which do not resolve there.
 * Workers ignore SIGINT (the parent owns Ctrl-C and shuts them down) and exit when the parent process
   dies, even mid-item, via a watcher thread on the parent's sentinel.
 * `num_workers=0` runs functions in the calling thread: no processes, **no timeouts** (a hanging
@@ -84,6 +94,7 @@ class RewardResult(NamedTuple):
     id: int
     score: float
     status: str  # one of STATUSES
+    error: str = ""  # the cause of a timeout or crash ("" when ok)
 
 
 # ---------------------------------------------------------------------------------------- worker side
@@ -92,12 +103,33 @@ def _exit_with_parent(sentinel) -> None:
     os._exit(0)
 
 
-def _worker_main(conn) -> None:
-    """Worker loop: recv (id, fn, response, answer, task) -> send (id, "ok", score) | (id, "error", msg)."""
+def _child_setup() -> None:
+    """Common start of worker and check processes: no SIGINT, exit with the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = mp.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), daemon=True).start()
+
+
+def _error_text(e: BaseException) -> str:
+    return registry.one_line(f"{type(e).__name__}: {e}", 500)
+
+
+def _check_main(conn, names: list[str]) -> None:
+    """Check process: send (name, problem-or-None) for each name as it is resolved, then None."""
+    _child_setup()
+    for name in names:
+        try:
+            problem = registry.problem(name)
+        except Exception as e:  # e.g. a module-level __getattr__ that raises
+            problem = f"reward {name!r}: {_error_text(e)}"
+        conn.send((name, problem))
+    conn.send(None)
+
+
+def _worker_main(conn) -> None:
+    """Worker loop: recv (id, fn, response, answer, task) -> send (id, "ok", score) | (id, "error", msg)."""
+    _child_setup()
     registry.warmup()
     conn.send(("ready", None, None))
     while True:
@@ -114,7 +146,16 @@ def _worker_main(conn) -> None:
                 raise ValueError(f"non-finite score {score}")
             conn.send((item_id, "ok", score))
         except Exception as e:
-            conn.send((item_id, "error", f"{type(e).__name__}: {e}"[:500]))
+            conn.send((item_id, "error", _error_text(e)))
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 class _Worker:
@@ -127,6 +168,7 @@ class _Worker:
         child_conn.close()
         self.ready = False
         self.item: tuple[int, str] | None = None
+        self.timeout_s = 0.0  # the item's timeout
         self.deadline = time.monotonic() + startup_timeout_s  # start-up deadline until ready
 
     def kill(self) -> None:
@@ -157,7 +199,7 @@ class RewardPool:
         self._cv = threading.Condition()
         self._ids = itertools.count()
         self._queue: collections.deque[tuple[int, RewardItem, float]] = collections.deque()
-        self._results: dict[int, tuple[float, str]] = {}  # completion order
+        self._results: dict[int, tuple[float, str, str]] = {}  # (score, status, error), completion order
         self._streamed: set[int] = set()  # ids from submit() not yet returned by poll()
         self._workers: list[_Worker] = []
         self._thread: threading.Thread | None = None
@@ -178,10 +220,7 @@ class RewardPool:
             self._started = True
         if self.num_workers == 0:
             return self
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            ctx.set_forkserver_preload([__name__])  # no effect if the fork server already runs
-        self._ctx = ctx
+        ctx = self._ctx = self._context()
         self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
         self._workers = [_Worker(ctx, self.startup_timeout_s) for _ in range(self.num_workers)]
         self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
@@ -224,6 +263,12 @@ class RewardPool:
         self._wake_r.close()
         self._wake_w.close()
 
+    def _context(self):
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload([__name__])  # no effect if the fork server already runs
+        return ctx
+
     def __enter__(self) -> "RewardPool":
         return self.start()
 
@@ -253,9 +298,8 @@ class RewardPool:
                 self._cv.wait(min(left, _MAX_TICK_S))
             out = []
             for i in done:
-                score, status = self._results.pop(i)
                 self._streamed.discard(i)
-                out.append(RewardResult(i, score, status))
+                out.append(RewardResult(i, *self._results.pop(i)))
             return out
 
     @property
@@ -280,10 +324,55 @@ class RewardPool:
                 self._raise_if_broken()
                 self._cv.wait(_MAX_TICK_S)
             out = [self._results.pop(i) for i in ids]
-        statuses = [s for _, s in out]
+        statuses = [s for _, s, _ in out]
         stats = dict(timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
                      seconds=time.monotonic() - t0)
-        return np.asarray([s for s, _ in out], np.float32), stats
+        return np.asarray([s for s, _, _ in out], np.float32), stats
+
+    def check(self, names: Sequence[str]) -> dict[str, str]:
+        """{name: why it does not resolve} for the names that fail in a worker's environment: a fresh
+        process started exactly as the workers are (same start method, fork server and `sys.path`)
+        imports each one. In-process with `num_workers=0`. Waits at most `startup_timeout_s`; a name
+        whose import hangs or kills the process is reported as such."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+        names = list(dict.fromkeys(names))
+        if self.num_workers == 0 or not names:
+            return {n: p for n in names if (p := registry.problem(n)) is not None}
+        ctx = self._context()
+        conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_check_main, args=(child_conn, names), daemon=True, name="reward-check")
+        proc.start()
+        child_conn.close()
+        errors, done = {}, set()
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                if not _mp_wait([conn], timeout=max(0.0, deadline - time.monotonic())):
+                    why = f"import did not finish within {self.startup_timeout_s:g}s (startup_timeout_s)"
+                    break
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    proc.join(timeout=5.0)
+                    why = f"the process died while importing it ({_exit_text(proc.exitcode)})"
+                    break
+                if msg is None:
+                    return errors
+                name, problem = msg
+                done.add(name)
+                if problem is not None:
+                    errors[name] = problem
+            left = [n for n in names if n not in done]
+            if left:
+                errors[left[0]] = f"reward {left[0]!r}: {why}"
+            return errors
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5.0)
+            conn.close()
 
     # ------------------------------------------------------------------ internals
     def _enqueue(self, items, *, stream: bool, timeout_s: float | None) -> list[int]:
@@ -317,7 +406,7 @@ class RewardPool:
                 raise ValueError(f"non-finite score {score}")
             return score, "ok", ""
         except Exception as e:
-            return 0.0, "crash", f"{type(e).__name__}: {e}"
+            return 0.0, "crash", _error_text(e)
 
     def _raise_if_broken(self) -> None:  # call with the lock held
         if self._error is not None:
@@ -327,7 +416,7 @@ class RewardPool:
 
     def _finish(self, item_id: int, fn: str, score: float, status: str, detail: str) -> None:
         """Record a result (lock held)."""
-        self._results[item_id] = (score, status)
+        self._results[item_id] = (score, status, detail)
         if status == "ok":
             return
         if status == "timeout":
@@ -368,7 +457,7 @@ class RewardPool:
             for w in self._workers:
                 if self._queue and w.ready and w.item is None:
                     item_id, it, t = self._queue.popleft()
-                    w.item, w.deadline = (item_id, it.fn), time.monotonic() + t
+                    w.item, w.timeout_s, w.deadline = (item_id, it.fn), t, time.monotonic() + t
                     sends.append((w, (item_id, *it)))
         for w, msg in sends:
             try:
@@ -403,11 +492,11 @@ class RewardPool:
             now = time.monotonic()
             if dead:
                 w.proc.join(timeout=1.0)
-                why = f"worker died (exit code {w.proc.exitcode})"
+                why = f"worker died ({_exit_text(w.proc.exitcode)})"
                 if w.item is not None:
                     finished.append((*w.item, 0.0, "crash", why))
             elif w.item is not None and now > w.deadline:
-                finished.append((*w.item, 0.0, "timeout", "exceeded its timeout; worker killed"))
+                finished.append((*w.item, 0.0, "timeout", f"timed out after {w.timeout_s:g}s"))
             elif not w.ready and now > w.deadline:
                 why = f"worker not ready after {self.startup_timeout_s}s"
             else:

@@ -1,24 +1,41 @@
-"""Reward functions by name.
+"""Reward functions by name, and how each row of the data picks one.
 
 A reward function is a top-level (picklable, importable) function
 `fn(response: str, answer: str, task: str) -> float`; the pool's worker processes look it up by name,
 so nothing but strings crosses the process boundary.
 
-Names are either keys of `REWARD_FNS` or an import path `"package.module:function"`. The import path is
-the extension hook for rewards that do not belong in this table (and is how the tests reach the
-misbehaving helpers in `jaxrl.rewards._testing`); the module must be importable in a fresh interpreter,
-because workers are separate processes. Registering into `REWARD_FNS` at run time in the parent would
-*not* reach workers, so there is deliberately no `register()`.
+**Plugging in your own reward.** Write the function in a module that a fresh interpreter can import
+(a file in the directory the run starts from with `python -m jaxrl.train ...`, or a directory on
+`PYTHONPATH`, or an installed package), then name it as `"package.module:function"` in any of:
+
+* the row's own `"reward"` field in the JSONL/Parquet data (a per-row choice),
+* `rewards.fn` in the training config (every row without its own field),
+* `rewards.registry` (short names -> import paths: `registry: {mine: my_rewards:score}` lets rows and
+  `rewards.fn` say `mine`).
+
+`reward_name(row, fn, registry)` applies that order (row > `rewards.fn` > the task's default: "math"
+for math rows, "builtin" for the built-in tasks, `reward_fn_for`) and replaces a registry name by its
+import path, which is what the workers resolve. `check_rewards(reward_names(rows, fn, registry), pool)`
+resolves every name the data will use, in this process and in a worker process, and raises a one-line
+`ValueError` naming the first that fails and why (module not importable, no such function, unknown
+name) — so a typo stops the run at start-up instead of scoring every response 0.
+
+Names are either keys of `REWARD_FNS` or an import path. Workers are separate processes: they get this
+process's `sys.path` (see `jaxrl.rewards.pool`), but registering into `REWARD_FNS` at run time in the
+parent would *not* reach them, so there is deliberately no `register()`; `rewards.registry` is the
+table users extend.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 from .math import math_reward
 
 RewardFn = Callable[[str, str, str], float]
+_MAX_LINE = 400
 
 
 def math_fn(response: str, answer: str, task: str) -> float:
@@ -36,27 +53,95 @@ def builtin_fn(response: str, answer: str, task: str) -> float:
 REWARD_FNS: dict[str, RewardFn] = {"math": math_fn, "builtin": builtin_fn}
 
 
+class RewardLookupError(KeyError):
+    """A reward name that does not resolve; `str()` is the one-line cause (not KeyError's repr)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def one_line(text: str, limit: int = _MAX_LINE) -> str:
+    """`text` with every run of whitespace (newlines included) collapsed to one space, cut at `limit`."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def reward_fn_for(task: str) -> str:
     """Reward-function name for a task: `"math"` for the math task, `"builtin"` for every other task."""
     return "math" if task == "math" else "builtin"
 
 
-def resolve(name: str) -> RewardFn:
-    """The function for a registered name or a `"module:function"` import path; KeyError otherwise."""
+def reward_name(row: Mapping, fn: str | None = None, registry: Mapping[str, str] | None = None, *,
+                default: Callable[[str], str] = reward_fn_for) -> str:
+    """The name to submit for `row`: its `"reward"` field, else `fn` (`rewards.fn`), else
+    `default(row["task"])`; a key of `registry` (`rewards.registry`) is replaced by its import path."""
+    name = row.get("reward") or fn or default(row["task"])
+    return registry.get(name, name) if registry else name
+
+
+def reward_names(rows: Iterable[Mapping], fn: str | None = None,
+                 registry: Mapping[str, str] | None = None) -> set[str]:
+    """Every name `reward_name` gives over `rows`: what a dataset will submit (for `check_rewards`)."""
+    return {reward_name(row, fn, registry) for row in rows}
+
+
+def _lookup(name: str) -> RewardFn | str:
+    """The function for `name`, or one line saying why there is none (imports the module here)."""
     fn = REWARD_FNS.get(name)
     if fn is not None:
         return fn
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise KeyError(f"reward fn {name!r}: cannot import ({e})") from e
-        if not callable(fn):
-            raise KeyError(f"reward fn {name!r} is not callable")
-        return fn
-    raise KeyError(f"unknown reward fn {name!r}; valid choices: {', '.join(sorted(REWARD_FNS))} "
-                   "or a 'package.module:function' import path")
+    if ":" not in name:
+        return (f"unknown reward {name!r}; registered: {', '.join(sorted(REWARD_FNS))} "
+                "(or a name in rewards.registry, or a 'package.module:function' import path)")
+    module, _, attr = name.partition(":")
+    if not module or not attr or ":" in attr:
+        return f"reward {name!r}: not a 'package.module:function' import path"
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # an import runs arbitrary code: anything it raises is the user's cause
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        hint = ("; the module must be importable in a fresh interpreter (PYTHONPATH, or the directory the "
+                "run starts from)") if missing is not None and (module + ".").startswith(missing + ".") else ""
+        return one_line(f"reward {name!r}: cannot import module {module!r} ({type(e).__name__}: {e}){hint}")
+    if not hasattr(mod, attr):
+        close = difflib.get_close_matches(attr, [a for a in dir(mod) if not a.startswith("_")
+                                                 and callable(getattr(mod, a, None))], n=1)
+        return (f"reward {name!r}: module {module!r} has no function {attr!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else ""))
+    fn = getattr(mod, attr)
+    if not callable(fn):
+        return f"reward {name!r}: {module}.{attr} is a {type(fn).__name__}, not a function"
+    return fn
+
+
+def problem(name: str) -> str | None:
+    """Why `name` does not resolve in this process, as one line; None when it does."""
+    found = _lookup(name)
+    return found if isinstance(found, str) else None
+
+
+def resolve(name: str) -> RewardFn:
+    """The function for a registered name or a `"module:function"` import path;
+    `RewardLookupError` (a KeyError) with the one-line cause otherwise."""
+    found = _lookup(name)
+    if isinstance(found, str):
+        raise RewardLookupError(found)
+    return found
+
+
+def check_rewards(names: Iterable[str], pool) -> None:
+    """Resolve every reward name, in this process and in a worker of `pool` (`RewardPool.check`), before
+    anything compiles; `ValueError` with one line naming the first failing name and the cause."""
+    names = sorted(set(names))
+    here = {n: p for n in names if (p := problem(n)) is not None}
+    where = ""
+    if not here and names:
+        here, where = pool.check(names), " [in a reward worker process; it resolves in the training process]"
+    if not here:
+        return
+    first, *others = sorted(here)
+    also = f" (also failing: {', '.join(others)})" if others else ""
+    raise ValueError(one_line(here[first] + where + also, 2 * _MAX_LINE))
 
 
 def warmup() -> None:

@@ -3,6 +3,14 @@ rollout (rewards scored as completions stream out) -> advantages -> packed globa
 
 Seeds: the n samples of a prompt are seeded from (run seed, step, dataset row index), so a step's
 rollouts are the same whatever the number of processes, instances or TP size.
+
+Rewards: each sample is scored by its row's reward (`jaxrl.rewards.reward_name`: the row's own
+`"reward"` field, else `rewards.fn`, else the task's default; names in `rewards.registry` map to import
+paths). To train on your own reward, put `fn(response, answer, task) -> float` in a module the run can
+import (the directory it starts in, or `PYTHONPATH`) and set `rewards.fn=my_rewards:score`, or give
+rows a `"reward"` field. A reward that crashes or times out scores 0 and is counted; the step's stats
+carry the first failure's cause, and `RewardFailureGuard` stops the run after
+`rewards.max_failed_steps` steps in a row in which every reward failed (instead of training on zeros).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import algos
 from jaxrl.config.train import TrainConfig
-from jaxrl.rewards.registry import reward_fn_for
+from jaxrl.rewards.registry import one_line, reward_fn_for, reward_name
 from jaxrl.rollout import Completion, RolloutService
 
 from .batch import Sample, pack, pack_rows, row_bucket
@@ -34,8 +42,9 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
     rest of the rollout (the long tail especially). Returns (completions, rewards [P*G] float32,
-    {"timeouts", "crashes", "seconds"}) where seconds is the wait for rewards after the last completion;
-    crashes and timeouts score 0 and are counted.
+    {"items", "timeouts", "crashes", "first_error", "seconds"}) where seconds is the wait for rewards
+    after the last completion; crashes and timeouts score 0 and are counted, and first_error is the first
+    failure to come back, as "<status> in <reward name>: <cause>" ("" when none failed).
     """
     r, G = cfg.rollout, cfg.algo.group_size
     order = []
@@ -45,24 +54,63 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     slot = {rid: k for k, rid in enumerate(order)}
     comps: list[Completion | None] = [None] * len(order)
     rewards = np.zeros(len(order), np.float32)
-    waiting, statuses = {}, []
+    waiting, statuses, first_error = {}, [], []
 
     def take(results):
         for res in results:
-            rewards[waiting.pop(res.id)] = res.score
+            k, name = waiting.pop(res.id)
+            rewards[k] = res.score
             statuses.append(res.status)
+            if res.status != "ok" and not first_error:
+                first_error.append(f"{res.status} in {name}: {res.error}")
 
     for c in svc.stream():
         k = slot[c.request_id]
         comps[k] = c
         row = rows[k // G]
-        waiting[pool.submit((reward_fn_for(row["task"]), tokenizer.decode(c.tokens), row["answer"], row["task"]))] = k
+        name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
+        waiting[pool.submit((name, tokenizer.decode(c.tokens), row["answer"], row["task"]))] = (k, name)
         take(pool.poll())
     t0 = time.perf_counter()
     while waiting:
         take(pool.poll(timeout=1.0))
-    stats = dict(timeouts=statuses.count("timeout"), crashes=statuses.count("crash"), seconds=time.perf_counter() - t0)
+    stats = dict(items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
+                 first_error=first_error[0] if first_error else "", seconds=time.perf_counter() - t0)
     return comps, rewards, stats
+
+
+class RewardsFailedError(RuntimeError):
+    """Every reward failed in `rewards.max_failed_steps` consecutive steps (the message is one line)."""
+
+
+class RewardFailureGuard:
+    """Stops a run whose rewards all fail: `update(stats)` after each step's `rollout_and_score` counts
+    the consecutive steps in which every reward, over all processes, crashed or timed out, and raises
+    `RuntimeError` (one line, with the first failure of that streak) at `max_failed_steps` of them. A
+    step with any successful reward resets the count; a step with no rewards at all leaves it alone.
+    Every process sees the same global counts, so all of them raise at the same step."""
+
+    def __init__(self, max_failed_steps: int):
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps={max_failed_steps} must be >= 1")
+        self.max_failed_steps = max_failed_steps
+        self.failed_steps = 0
+        self.first_error = ""
+
+    def update(self, stats: dict) -> None:
+        items, failed = global_sum([stats["items"], stats["timeouts"] + stats["crashes"]])
+        if items == 0:
+            return
+        if failed < items:
+            self.failed_steps, self.first_error = 0, ""
+            return
+        self.failed_steps += 1
+        self.first_error = self.first_error or stats.get("first_error", "")
+        if self.failed_steps >= self.max_failed_steps:
+            first = self.first_error or "the first failure was on another process"
+            steps = f"{self.failed_steps} step{'s' * (self.failed_steps > 1)}"
+            raise RewardsFailedError(one_line(f"every reward failed in {steps} in a row (first: {first}); fix the reward "
+                                              "function or raise rewards.max_failed_steps", 1000))
 
 
 def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int]) -> list[np.ndarray]:
