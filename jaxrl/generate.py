@@ -1,9 +1,13 @@
 """`python -m jaxrl.generate [--config FILE] [key=value ...]`: prompts JSONL -> completions JSONL.
 
-Reads every prompt (see `GenerateConfig`), runs the rollout service, and writes one line per
-completion as it finishes — to a temporary file renamed over `output` at the end, so an interrupted
-run never leaves a truncated file — with a progress bar on stderr. Bad input lines stop the run
-before any compilation, naming the line.
+Reads every prompt (see `GenerateConfig`), runs the rollout service, and writes one line per sample in
+input order (prompt `index`, then `sample`): each line is written as soon as it and every line before
+it are done, so a long run's output grows while it runs. Lines go to `OUTPUT.partial`, renamed over
+`output` at the end; on an error or Ctrl-C the partial file is removed (one line says so), so nothing
+truncated is ever left. Prompt i samples with its own seed, `prompt_seed(sampling.seed, i)`: two equal
+prompts get different samples, and a prompt's samples do not depend on the other lines of the file.
+Bad input lines and prompts longer than `engine.max_seq_len` allows stop the run before any
+compilation, naming the line; paths in messages are absolute.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from pathlib import Path
 from jaxrl.config import CONFIGS_DIR, GenerateConfig, parse_cli
 
 
-def read_prompts(path: str, tokenizer, chat: bool) -> list[tuple[dict, list[int]]]:
+def read_prompts(path: str, tokenizer, chat: bool, max_len: int | None = None) -> list[tuple[dict, list[int]]]:
+    """(row, prompt ids) per non-empty line; `max_len`: the longest prompt allowed (SystemExit otherwise)."""
     rows = []
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise SystemExit(f"input={path}: no such file")
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -37,6 +45,9 @@ def read_prompts(path: str, tokenizer, chat: bool) -> list[tuple[dict, list[int]
                 ids = tokenizer.encode(text)
             else:
                 raise SystemExit(f"{path}:{lineno}: needs a string 'prompt' or a list 'prompt_ids'")
+            if max_len is not None and len(ids) > max_len:
+                raise SystemExit(f"{path}:{lineno}: prompt of {len(ids)} tokens + sampling.max_new_tokens > "
+                                 f"engine.max_seq_len (prompts up to {max_len} tokens fit); raise engine.max_seq_len")
             rows.append((row, ids))
     if not rows:
         raise SystemExit(f"{path}: no prompts")
@@ -50,12 +61,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from models import init, load_hf, load_tokenizer
     e, s = cfg.engine, cfg.sampling
+    from jaxrl.rollout.params import prompt_seed
     from jaxrl.runtime import request_cpu_devices
 
     request_cpu_devices(e.num_devices)   # fake devices on a CPU host only
+    if cfg.model.hf_path is not None and not os.path.isfile(os.path.join(cfg.model.hf_path, "config.json")):
+        raise SystemExit(f"model.hf_path={os.path.abspath(cfg.model.hf_path)}: no config.json there (not a Hugging "
+                         "Face checkpoint directory)")
     tok_path = cfg.tokenizer or cfg.model.hf_path or "char"
-    tokenizer = load_tokenizer(tok_path)
-    rows = read_prompts(cfg.input, tokenizer, cfg.chat)
+    try:
+        tokenizer = load_tokenizer(tok_path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"tokenizer {os.path.abspath(tok_path) if tok_path != 'char' else tok_path}: {err}; "
+                         "set tokenizer=DIR (a directory with tokenizer.json) or tokenizer=char") from None
+    rows = read_prompts(cfg.input, tokenizer, cfg.chat, max_len=e.max_seq_len - s.max_new_tokens)
     model_cfg = cfg.model.model_config()
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise SystemExit(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens, the model only {model_cfg.vocab_size}")
@@ -63,24 +82,40 @@ def main(argv: list[str] | None = None) -> int:
         _, weights = load_hf(cfg.model.hf_path, dtype=cfg.model.jnp_dtype())
     else:
         weights = init(jax.random.key(0), model_cfg, cfg.model.jnp_dtype())
-    params = s.build(stop_token_ids=tokenizer.eos_ids)
     svc = e.build(model_cfg, weights)
+    order = []                                    # (prompt index, sample) of each request id, in input order
     owner = {}
     for i, (row, ids) in enumerate(rows):
+        params = s.build(stop_token_ids=tokenizer.eos_ids, seed=prompt_seed(s.seed, i))
         for j, rid in enumerate(svc.add(ids, params)):
-            owner[rid] = (i, j)
-    out = Path(cfg.output)
+            owner[rid] = len(order)
+            order.append((i, j))
+    out = Path(cfg.output).absolute()
     tmp = out.with_name(out.name + ".partial")
-    with open(tmp, "w") as f, tqdm(total=len(owner), desc="generate", unit="seq", file=sys.stderr) as bar:
-        for c in svc.stream():
-            i, j = owner[c.request_id]
-            f.write(json.dumps({"index": i, "sample": j, **{k: v for k, v in rows[i][0].items() if k != "prompt_ids"},
-                                "completion": tokenizer.decode(c.tokens), "tokens": c.tokens,
-                                "logprobs": c.logprobs, "finish_reason": c.finish_reason}) + "\n")
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{sum(st['tokens_per_s'] for st in svc.stats()):.0f}")
-    os.replace(tmp, out)
-    print(f"wrote {len(owner)} completions to {out}", file=sys.stderr)
+    done: dict[int, str] = {}
+    written = 0
+    try:
+        with open(tmp, "w") as f, tqdm(total=len(order), desc="generate", unit="seq", file=sys.stderr) as bar:
+            for c in svc.stream():
+                k = owner[c.request_id]
+                i, j = order[k]
+                done[k] = json.dumps({"index": i, "sample": j,
+                                      **{key: v for key, v in rows[i][0].items() if key != "prompt_ids"},
+                                      "completion": tokenizer.decode(c.tokens), "tokens": c.tokens,
+                                      "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+                while written in done:            # every line up to here is complete: write them in order
+                    f.write(done.pop(written) + "\n")
+                    written += 1
+                f.flush()
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{sum(st['tokens_per_s'] for st in svc.stats()):.0f}")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        print(f"generate stopped after {written} of {len(order)} completions; nothing written to {out}",
+              file=sys.stderr)
+        raise
+    print(f"wrote {len(order)} completions to {out}", file=sys.stderr)
     return 0
 
 

@@ -22,6 +22,6 @@ from .hf import CheckpointError, config_from_hf, config_to_hf, load_hf, save_hf 
 
 __all__ += ["ATTENTION_IMPLS", "REMAT_POLICIES", "decoder_stack", "forward", "forward_block", "inv_freq", "lm_head",
             "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
-from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer  # noqa: E402
+from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
 
-__all__ += ["CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ += ["CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "save_tokenizer"]

@@ -268,8 +268,11 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, dtype=None,
-            max_shard_bytes: int = 2 << 30) -> Path:
-    """Write config.json + safetensors (index-sharded above `max_shard_bytes`) that transformers loads.
+            max_shard_bytes: int = 2 << 30, tokenizer=None) -> Path:
+    """Write config.json + safetensors (index-sharded above `max_shard_bytes`) that transformers loads;
+    with `tokenizer`, also its files (`models.tokenizer.save_tokenizer`) and generation_config.json (its
+    end-of-sequence, padding and start ids), so the directory is a complete checkpoint for
+    `AutoModelForCausalLM`/`AutoTokenizer.from_pretrained` and `python -m jaxrl.generate model.hf_path=DIR`.
 
     Tensors are gathered to host one layer at a time. In a multi-process run every process gathers
     and only process 0 writes. Weights with a padded vocabulary (`models.padded_vocab`) are accepted;
@@ -322,4 +325,13 @@ def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, d
                 total += sum(a.nbytes for a in shard.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if tokenizer is not None:
+            from .tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer, out)
+            eos = list(tokenizer.eos_ids)
+            gen = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": tokenizer.pad_id}
+            if getattr(tokenizer, "bos_id", None) is not None:
+                gen["bos_token_id"] = tokenizer.bos_id
+            (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out

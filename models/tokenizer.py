@@ -50,6 +50,7 @@ class HFTokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
+        self.path = path
         self._tok = _Tok.from_file(str(path / "tokenizer.json"))
         conf_path = path / "tokenizer_config.json"
         self.config = json.loads(conf_path.read_text()) if conf_path.exists() else {}
@@ -123,6 +124,49 @@ class CharTokenizer:
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         text = "".join(f"{self.ROLES.get(m['role'], m['role'])}: {m['content']}\n" for m in messages)
         return text + ("A: " if add_generation_prompt else "")
+
+    # The same chat format as a Jinja template, for exported checkpoints (transformers renders it).
+    CHAT_TEMPLATE = ("{% set roles = {'user': 'Q', 'assistant': 'A', 'system': 'S'} %}{% for m in messages %}"
+                     "{{ roles.get(m['role'], m['role']) ~ ': ' ~ m['content'] ~ '\n' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """This tokenizer as HF files: a char-level WordLevel `tokenizer.json` (every character its own
+        token, unknown characters -> '?', decoding concatenates) and `tokenizer_config.json` with the chat
+        template, so `transformers.AutoTokenizer` and `load_tokenizer(directory)` give the same ids.
+        (One difference: the literal text "<eos>" in a prompt is one special token there, 5 characters here.)"""
+        from tokenizers import AddedToken, Regex, Tokenizer as _Tok, decoders, models, pre_tokenizers
+
+        tok = _Tok(models.WordLevel(vocab=dict(self._stoi), unk_token="?"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.SPECIAL])
+        directory = Path(directory)
+        tok.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+            "pad_token": "<pad>", "chat_template": self.CHAT_TEMPLATE,
+            "model_max_length": 1 << 30}, indent=2))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "added_tokens.json")
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
+    """Write `tokenizer`'s HF files into `directory` (an HF tokenizer's own files are copied as they are)."""
+    import shutil
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, HFTokenizer):
+        for name in TOKENIZER_FILES:
+            if (tokenizer.path / name).is_file() and (tokenizer.path / name).resolve() != (directory / name).resolve():
+                shutil.copyfile(tokenizer.path / name, directory / name)
+    elif isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(directory)
+    else:
+        raise TypeError(f"cannot save a {type(tokenizer).__name__} as HF tokenizer files")
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:

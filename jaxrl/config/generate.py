@@ -13,12 +13,12 @@ class SamplingSection(Section):
     """Per-request sampling (`jaxrl.rollout.SamplingParams`): temperature 0 = greedy; top_k None and top_p 1
     = no truncation."""
 
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    n: int = 1
-    seed: int = 0
+    max_new_tokens: int = 64          # tokens generated per response (at most)
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int | None = None          # keep the k most likely tokens (null = all)
+    top_p: float = 1.0                # nucleus: the smallest set with this much probability
+    n: int = 1                        # samples per prompt
+    seed: int = 0                     # sampling seed (generate: folded with each prompt's index)
 
     def __post_init__(self):
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -48,20 +48,22 @@ class SamplingSection(Section):
 class EngineSection(Section):
     """Rollout engine shape: `instances` TP groups of `tp` devices, each with its own paged KV pool.
 
-    Pages per instance: `num_pages` when set; else a per-device budget for the instance's weights + KV,
-    `kv_bytes_per_device` bytes or `kv_memory_fraction` of each device's memory (GPU/TPU; default 0.5),
-    minus its weight shard; on a CPU with neither, enough for `max_batch` sequences of `max_seq_len`.
+    `max_seq_len` is the longest sequence (prompt + max_new_tokens) the engine accepts; a longer request
+    is refused when it is submitted, naming both numbers. Pages per instance: `num_pages` when set; else
+    a per-device budget for the instance's weights + KV, `kv_bytes_per_device` bytes or
+    `kv_memory_fraction` of each device's memory (GPU/TPU; default 0.5), minus its weight shard; on a CPU
+    with neither, enough for `max_batch` sequences of `max_seq_len`.
     """
 
-    tp: int = 1
-    instances: int = 1
-    page_size: int = 16
+    tp: int = 1                       # devices per instance (tensor parallel)
+    instances: int = 1                # instances (data parallel), each with its own KV pool
+    page_size: int = 16               # tokens per KV page
     num_pages: int | None = None      # explicit pool size (pages, scratch page included)
-    kv_bytes_per_device: int | None = None
-    kv_memory_fraction: float | None = None
-    max_batch: int = 64
-    max_seq_len: int = 1024
-    prefix_sharing: bool = True
+    kv_bytes_per_device: int | None = None   # KV + weight budget per device (bytes)
+    kv_memory_fraction: float | None = None  # ... or this fraction of device memory (GPU/TPU)
+    max_batch: int = 64               # sequences decoded together per instance
+    max_seq_len: int = 1024           # longest prompt + max_new_tokens accepted
+    prefix_sharing: bool = True       # the samples of one prompt share its KV pages
     attention_impl: str = "xla"   # "pallas" = the Pallas kernels (GPU; interpret mode on the CPU)
     prefill_chunk: int = 256      # prompt tokens per row per prefill call
     prefill_tokens: int = 8192    # prompt tokens per prefill call (admitted prompts prefill together)
@@ -105,18 +107,22 @@ class GenerateConfig(Section):
 
     Input lines: {"prompt": "text"} (tokenised; chat template applied when `chat` is true) or
     {"prompt_ids": [ints]}. `tokenizer`: "char" (built-in), a directory with tokenizer.json, or
-    null = the model's hf_path (else "char").
+    null = the model's hf_path (else "char"). Output lines: one per sample, in input order (prompt index,
+    then sample); prompt i samples with seed `prompt_seed(sampling.seed, i)`.
     """
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
     engine: EngineSection = dataclasses.field(default_factory=EngineSection)
-    input: str = "prompts.jsonl"
-    output: str = "completions.jsonl"
-    tokenizer: str | None = None
-    chat: bool = False
+    input: str = "prompts.jsonl"      # JSONL of {"prompt": text} or {"prompt_ids": [ints]}
+    output: str = "completions.jsonl" # JSONL, one line per sample, in input order
+    tokenizer: str | None = None      # null = the model's (hf_path), else "char"; or a dir with tokenizer.json
+    chat: bool = False                # wrap each prompt in the tokenizer's chat template
 
     def __post_init__(self):
         check_str("input", self.input)
         check_str("output", self.output)
         check_str("tokenizer", self.tokenizer, allow_none=True)
+        if self.sampling.max_new_tokens >= self.engine.max_seq_len:
+            raise ConfigError("engine.max_seq_len", f"sampling.max_new_tokens {self.sampling.max_new_tokens} leaves "
+                              f"no room for a prompt in engine.max_seq_len={self.engine.max_seq_len}")

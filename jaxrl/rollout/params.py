@@ -29,3 +29,12 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt `index` in a run seeded `seed`: a hash of both (32 bits), so every prompt
+    has its own stream, and a prompt's samples do not depend on the other prompts of the run."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")

@@ -72,7 +72,7 @@ class RolloutService:
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}; valid choices: {', '.join(ATTENTION_IMPLS)}")
         enable_compilation_cache()
-        self.cfg, self.router = cfg, router
+        self.cfg, self.router, self.max_seq_len = cfg, router, max_seq_len
         self.devices = list(devices if devices is not None else jax.devices())
         self.memory = dict(num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_seq_len=max_seq_len,
                            kv_bytes_per_device=kv_bytes_per_device, kv_memory_fraction=kv_memory_fraction,
@@ -151,6 +151,10 @@ class RolloutService:
             raise ValueError("empty prompt")
         if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt {len(prompt)} + max_new_tokens {params.max_new_tokens} = "
+                             f"{len(prompt) + params.max_new_tokens} tokens > engine.max_seq_len={self.max_seq_len}; "
+                             "raise engine.max_seq_len or shorten the prompt")
         group = next(self._groups) if params.n > 1 else None
         seqs = []
         for j in range(params.n):
