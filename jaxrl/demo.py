@@ -133,7 +133,8 @@ def run(cfg: DemoConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(DemoConfig, argv, default_yaml=CONFIGS_DIR / "demo.yaml", prog="python -m jaxrl.demo")
+    cfg = parse_cli(DemoConfig, argv, default_yaml=CONFIGS_DIR / "demo.yaml", prog="python -m jaxrl.demo", examples=(
+        "model.preset=qwen3-0.6b 'mesh.train={fsdp: 8, tp: 1}'", "mesh.rollout_tp=4 mesh.rollout_instances=2 batch=16"))
     from jaxrl.runtime import request_cpu_devices
 
     # Fake CPU devices so the 8-device layouts run on a laptop; no effect on GPU/TPU backends.

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Start N local processes of the same command under jax.distributed (multi-controller, DistFlow style):
 #   scripts/launch_local.sh 2 python -m jaxrl.train train_layout.fsdp=8 engine.instances=4
-# Each process gets JAX_COORDINATOR_ADDRESS (a free localhost port), JAX_NUM_PROCESSES and
-# JAX_PROCESS_ID; process i's output goes to stdout prefixed with [i]. Exits non-zero if any process
-# fails, and kills the others when one fails or on Ctrl-C.
+# The command runs in the caller's directory inside the project's virtual environment (scripts/venv.sh
+# creates or syncs it once, before any process starts; its bin/ goes first on PATH, so `python` is the
+# environment's). Each process gets JAX_COORDINATOR_ADDRESS (a free localhost port), JAX_NUM_PROCESSES
+# and JAX_PROCESS_ID; process i's output goes to stdout prefixed with [i]. When any process fails (or
+# on Ctrl-C) the others are killed, and the exit status is the first failure's.
 set -euo pipefail
-n=${1:?usage: scripts/launch_local.sh N COMMAND [ARGS...]}
+((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)) || { echo "launch_local.sh needs bash >= 5.1 (wait -n -p)" >&2; exit 2; }
+usage="usage: scripts/launch_local.sh N COMMAND [ARGS...]"
+n=${1:?$usage}
 shift
-[ "$#" -gt 0 ] || { echo "usage: scripts/launch_local.sh N COMMAND [ARGS...]" >&2; exit 2; }
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+[[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "$usage (N: a number of processes, got '$n')" >&2; exit 2; }
+[ "$#" -gt 0 ] || { echo "$usage" >&2; exit 2; }
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+venv="$("$here/venv.sh" printenv VIRTUAL_ENV)"
+export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
+unset PYTHONHOME
+port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup INT TERM
@@ -17,8 +26,21 @@ for ((i = 0; i < n; i++)); do
     "$@" > >(sed -u "s/^/[$i] /") 2>&1 &
   pids+=($!)
 done
+# Reap whichever process ends first (wait -n), so a failure is seen at once while others still run.
 status=0
-for p in "${pids[@]}"; do
-  if ! wait "$p"; then status=1; cleanup; fi
+running=("${pids[@]}")
+while [ "${#running[@]}" -gt 0 ]; do
+  rc=0
+  done_pid=
+  wait -n -p done_pid "${running[@]}" || rc=$?
+  if [ -z "${done_pid:-}" ]; then   # a signal interrupted the wait (the trap killed the others)
+    [ "$status" -ne 0 ] || status=$rc
+    [ "$rc" -ne 127 ] || break    # no child left to wait for
+    continue
+  fi
+  left=()
+  for p in "${running[@]}"; do [ "$p" = "$done_pid" ] || left+=("$p"); done
+  running=("${left[@]}")
+  if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; cleanup; fi
 done
-exit $status
+exit "$status"

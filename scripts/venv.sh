@@ -2,13 +2,18 @@
 # Run a command inside the project's virtual environment, creating it first if needed.
 #   scripts/venv.sh python -m jaxrl.demo
 #   scripts/venv.sh python -m pytest -q
+#   scripts/venv.sh tensorboard --logdir runs/quickstart/tb
 # Needs only Python 3.11 on PATH (python3.11, or python3 when it is 3.11). The environment lives in
-# .venv/ (override with JAXRL_VENV); it is re-synced when pyproject.toml changes.
+# .venv/ (override with JAXRL_VENV); it is re-synced when pyproject.toml changes. The command runs in
+# the caller's directory (relative paths are the caller's), with the environment's bin/ first on PATH
+# and VIRTUAL_ENV set, so the processes it starts use the environment too.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${JAXRL_VENV:-$root/.venv}"
+venv="$(mkdir -p "$(dirname "$venv")" && cd "$(dirname "$venv")" && pwd)/$(basename "$venv")"
+[ "$#" -gt 0 ] || { echo "usage: scripts/venv.sh COMMAND [ARGS...]" >&2; exit 2; }
 py="$(command -v python3.11 || command -v python3)"
-"$py" -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ needed, found " + sys.version' 
+"$py" -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ needed, found " + sys.version'
 if [ ! -x "$venv/bin/python" ]; then
   echo "[venv] creating $venv" >&2
   "$py" -m venv "$venv"
@@ -20,5 +25,6 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q -e "$root[test]" >&2
   touch "$stamp"
 fi
-cd "$root"
-exec "$venv/bin/"${1:?usage: scripts/venv.sh COMMAND [ARGS...]} "${@:2}"
+export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
+unset PYTHONHOME
+exec "$@"

@@ -3,6 +3,8 @@
 import dataclasses
 import importlib
 import json
+import re
+import shlex
 
 import pytest
 import yaml
@@ -164,12 +166,84 @@ def test_parse_cli_exits_2_without_traceback(capsys):
     assert parse_cli(DemoConfig, ["seed=1"], default_yaml=DEMO_YAML) == dataclasses.replace(DEMO_RECIPE, seed=1)
 
 
-def test_parse_cli_help_prints_resolved_config(capsys):
+def help_text(capsys, main, argv=("--help",)) -> str:
     with pytest.raises(SystemExit) as info:
-        parse_cli(DemoConfig, ["--help", "seed=9"], default_yaml=DEMO_YAML, prog="demo")
+        main(list(argv))
     assert info.value.code == 0
-    out = capsys.readouterr().out
-    assert "usage: demo" in out and "seed: 9" in out
+    return capsys.readouterr().out
+
+
+def test_parse_cli_help_lists_every_key_with_its_resolved_value(capsys):
+    out = help_text(capsys, lambda argv: parse_cli(DemoConfig, argv, default_yaml=DEMO_YAML, prog="demo"),
+                    ["--help", "seed=9", "mesh.train.tp=1"])
+    assert out.startswith("usage: demo [--config FILE] [key=value ...]")
+    rows = [line.split(" = ")[0].strip() for line in out.splitlines() if line.startswith("  ") and " = " in line]
+    assert rows == ["seed", "prompt_len", "new_tokens", "batch", "run_dir", "model.preset", "model.hf_path",
+                    "model.dtype", "mesh.rollout_tp", "mesh.rollout_instances", "mesh.train.dp", "mesh.train.fsdp",
+                    "mesh.train.tp"]
+    for row in ("  seed = 9", "  mesh.train.fsdp = 4", "  mesh.train.tp = 1", "  model.hf_path = null"):
+        assert row + "\n" in out or row + " " in out, row
+    out = help_text(capsys, lambda argv: parse_cli(DemoConfig, argv, prog="demo", flags="[--fast]",
+                                                   examples=["seed=3 'mesh.train={tp: 2}'"]))
+    assert out.startswith("usage: demo [--config FILE] [--fast] [key=value ...]\n")
+    assert "\nexamples:\n  demo seed=3 'mesh.train={tp: 2}'\n\n" in out
+
+
+def _entry_points():
+    from jaxrl import demo, generate
+    from jaxrl.config import GenerateConfig, TrainConfig
+    from jaxrl.train import __main__ as train
+
+    return [(train.main, TrainConfig, "quickstart.yaml"), (generate.main, GenerateConfig, "generate.yaml"),
+            (demo.main, DemoConfig, "demo.yaml")]
+
+
+def _description(out: str, key: str) -> str:
+    """The description `--help` prints for dotted key (a `key = value   description` row) or section."""
+    for line in out.splitlines():
+        if line.startswith(f"{key}: "):
+            return line.removeprefix(f"{key}: ")
+        if line.startswith(f"  {key} = "):
+            return line.removeprefix(f"  {key} = ").partition("   ")[2].strip()
+    raise AssertionError(f"{key} not in --help")
+
+
+@pytest.mark.parametrize("i", range(3), ids=["train", "generate", "demo"])
+def test_help_describes_keys_from_comments_and_docstrings(capsys, i):
+    main, cls, _ = _entry_points()[i]
+    out = help_text(capsys, main)
+    expected = {
+        "train": {"algo.group_size": "samples per prompt", "engine.num_pages": "explicit pool size",
+                  "profile_steps": "jax.profiler trace", "rewards": "How responses are scored",
+                  "warm_start.optim": "AdamW with linear warm-up"},
+        "generate": {"engine.prefill_chunk": "prompt tokens per row per prefill call", "sampling": "Per-request sampling",
+                     "model": "Which model to run"},
+        "demo": {"mesh.train": "A device layout", "mesh": "How devices are used"},
+    }[["train", "generate", "demo"][i]]
+    for key, words in expected.items():
+        assert words in _description(out, key), key
+    from jaxrl.config.loading import undocumented_keys
+
+    assert not set(expected) & set(undocumented_keys(cls))
+
+
+@pytest.mark.parametrize("i", range(3), ids=["train", "generate", "demo"])
+def test_every_example_in_help_loads(capsys, i):
+    main, cls, yaml_name = _entry_points()[i]
+    out = help_text(capsys, main)
+    prog = out.splitlines()[0].removeprefix("usage: ").partition(" [")[0]
+    assert prog.startswith("python -m jaxrl.")
+    examples = out.partition("\nexamples:\n")[2].partition("\n\n")[0].splitlines()
+    assert examples, "--help shows no examples"
+    keys = {line.split(" = ")[0].strip() for line in out.splitlines() if line.startswith("  ") and " = " in line}
+    for line in examples:
+        assert line.startswith(f"  {prog} "), line
+        args = shlex.split(line.removeprefix(f"  {prog} "))
+        assert args
+        load_config(cls, args, default_yaml=CONFIGS_DIR / yaml_name)    # raises ConfigError if not
+    # Every dotted key the help text mentions as key=value is a key of this entry point's config.
+    for key in re.findall(r"(?<![\w.-])-{0,2}([a-z_]+(?:\.[a-z_]+)+)=", out):
+        assert any(k == key or k.startswith(key + ".") for k in keys), key
 
 
 # -- build helpers -----------------------------------------------------------------------------------

@@ -21,11 +21,11 @@ class DemoConfig(Section):
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
-    seed: int = 0
-    prompt_len: int = 16
-    new_tokens: int = 16
-    batch: int = 8
-    run_dir: str = "runs/demo"
+    seed: int = 0                        # weights and prompts
+    prompt_len: int = 16                 # tokens per random prompt
+    new_tokens: int = 16                 # tokens generated per prompt
+    batch: int = 8                       # prompts
+    run_dir: str = "runs/demo"           # where the demo writes its report
 
     def __post_init__(self):
         check_int("seed", self.seed, minimum=0)

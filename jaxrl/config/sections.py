@@ -26,9 +26,9 @@ class ModelSection(Section):
     `dtype` is the parameter and activation dtype.
     """
 
-    preset: str = "tiny-qwen3"
-    hf_path: str | None = None
-    dtype: str = "float32"
+    preset: str = "tiny-qwen3"             # a models.config.PRESETS name (shapes when hf_path is null)
+    hf_path: str | None = None             # local HF checkpoint directory (config.json, *.safetensors); wins over preset
+    dtype: str = "float32"                 # parameter and activation dtype: float32, bfloat16 or float16
 
     def __post_init__(self):
         check_choice("preset", self.preset, sorted(PRESETS))
@@ -55,9 +55,9 @@ class ModelSection(Section):
 class LayoutSection(Section):
     """A device layout: data-parallel × FSDP × tensor-parallel sizes (mirrors `sharding.Layout`)."""
 
-    dp: int = 1
-    fsdp: int = 1
-    tp: int = 1
+    dp: int = 1                            # data-parallel replicas
+    fsdp: int = 1                          # fully-sharded data parallel (params and optimizer state sharded)
+    tp: int = 1                            # tensor parallel (heads and MLP sharded)
 
     def __post_init__(self):
         for name in ("dp", "fsdp", "tp"):
@@ -82,8 +82,8 @@ class MeshSection(Section):
     """
 
     train: LayoutSection = dataclasses.field(default_factory=LayoutSection)
-    rollout_tp: int = 1
-    rollout_instances: int = 1
+    rollout_tp: int = 1                    # devices per rollout instance (tensor parallel)
+    rollout_instances: int = 1             # rollout instances, each with its own KV pool
 
     def __post_init__(self):
         check_int("rollout_tp", self.rollout_tp, minimum=1)
