@@ -23,18 +23,19 @@ SCHEDULES = ("cosine", "linear", "constant")
 class DataSection(Section):
     """`source`: "builtin" (the built-in task suite) or a local .jsonl / .parquet path with prompt/answer columns."""
 
-    source: str = "builtin"
+    source: str = "builtin"              # "builtin" tasks, or a .jsonl / .parquet file of prompt/answer rows
     tasks: tuple[str, ...] = ()          # builtin: which tasks (empty = all)
     num_examples: int = 20000            # builtin: suite size
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    tokenizer: str = "char"              # "char", or a dir with tokenizer.json ("model" = model.hf_path)
-    chat: bool = True
+    prompt_key: str = "prompt"           # column holding the prompt (DeepScaleR: problem)
+    answer_key: str = "answer"           # column holding the reference answer
+    tokenizer: str | None = None         # null = the model's own (model.hf_path's, else "char"); or a dir with tokenizer.json
+    chat: bool = True                    # wrap each prompt in the tokenizer's chat template
     max_prompt_len: int = 64             # longer prompts are skipped and counted
-    shuffle: bool = True
+    shuffle: bool = True                 # a new seeded permutation of the rows every epoch
 
     def __post_init__(self):
         check_str("source", self.source)
+        check_str("tokenizer", self.tokenizer, allow_none=True)
         check_int("num_examples", self.num_examples, minimum=1)
         check_int("max_prompt_len", self.max_prompt_len, minimum=1)
 
@@ -43,20 +44,20 @@ class DataSection(Section):
 class AlgoSection(Section):
     """RL objective. GRPO defaults; DAPO = clip_high 0.28 + agg token-mean; Dr. GRPO = dr_grpo + seq-mean-token-sum-norm."""
 
-    advantage: str = "grpo"
+    advantage: str = "grpo"              # advantage estimator: grpo, dr_grpo, rloo, reinforce_pp
     group_size: int = 8                  # samples per prompt
     prompts_per_step: int = 16           # global, over all processes
     mini_batches: int = 1                # optimizer updates per rollout batch (>1 makes it off-policy)
     micro_batches: int = 1               # gradient accumulation inside one update
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = 0.2                # PPO ratio clip below: 1 - clip_low
+    clip_high: float = 0.2               # PPO ratio clip above: 1 + clip_high (DAPO clip-higher: 0.28)
     dual_clip: float | None = None       # None = off; else c > 1
-    agg: str = "token-mean"
+    agg: str = "token-mean"              # loss aggregation over tokens and sequences (jaxrl.algos)
     kl_coef: float = 0.0                 # KL to the reference policy (0 = no reference forward)
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"             # k1, k2 or k3 (Schulman) estimator of the KL term
     kl_in_reward: bool = False           # penalty in the reward (reinforce_pp) instead of the loss
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
+    entropy_coef: float = 0.0            # entropy bonus weight
+    gamma: float = 1.0                   # discount (reinforce_pp returns)
 
     def __post_init__(self):
         check_choice("advantage", self.advantage, ADVANTAGES)
@@ -89,14 +90,14 @@ class AlgoSection(Section):
 class OptimSection(Section):
     """AdamW with linear warm-up then `schedule` decay to lr * min_lr_ratio, global-norm clipping."""
 
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    lr: float = 1e-6                     # peak learning rate
+    warmup_steps: int = 0                # linear warm-up updates
+    schedule: str = "constant"           # after warm-up: cosine, linear or constant
+    min_lr_ratio: float = 0.1            # final lr = lr * min_lr_ratio (cosine, linear)
+    weight_decay: float = 0.0            # AdamW decoupled weight decay
+    b1: float = 0.9                      # Adam first-moment decay
+    b2: float = 0.999                    # Adam second-moment decay
+    eps: float = 1e-8                    # Adam denominator epsilon
     clip_norm: float | None = 1.0        # None = no clipping
 
     def __post_init__(self):
@@ -123,8 +124,8 @@ class TrainerSection(Section):
     recomputes the layer in the backward, "dots" saves the projection matmuls only (`models.forward`).
     `attention_impl`: "xla" or "pallas" (`kernels.attention`; interpret mode on the CPU, slow)."""
 
-    remat: str = "none"
-    attention_impl: str = "xla"
+    remat: str = "none"                  # none, layer or dots (what the backward recomputes)
+    attention_impl: str = "xla"          # xla or pallas
 
     def __post_init__(self):
         check_choice("remat", self.remat, REMAT_POLICIES)
@@ -133,10 +134,13 @@ class TrainerSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSection(Section):
-    """Supervised warm start on the built-in tasks' demonstrations (steps 0 = skip); `batch_size` is global."""
+    """Supervised warm start on the built-in tasks' demonstrations (steps 0 = skip); `batch_size` is global.
 
-    steps: int = 0
-    batch_size: int = 32
+    It needs demonstrations, which only the built-in tasks have: with other data (a JSONL of math
+    problems, say) it is skipped with one line, so recipes written for the built-in tasks still run."""
+
+    steps: int = 0                       # supervised steps before RL (0 = none)
+    batch_size: int = 32                 # demonstrations per step, over all processes
     optim: OptimSection = dataclasses.field(default_factory=lambda: OptimSection(lr=3e-3, warmup_steps=20,
                                                                                   schedule="cosine"))
 
@@ -147,12 +151,29 @@ class WarmStartSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection(Section):
+    """How responses are scored (`jaxrl.rewards`): `fn(response: str, answer: str, task: str) -> float`.
+
+    A row's reward is its own `"reward"` field when the data has one, else `fn`, else the task's default
+    ("math" for math rows, "builtin" for the built-in tasks). A name is a registered reward ("math",
+    "builtin", or a key of `registry`) or an import path "package.module:function" (importable in a fresh
+    interpreter: the pool's workers are separate processes). Every name is resolved at start-up, in this
+    process and in a worker, before anything compiles. A step in which every reward failed (crash or
+    timeout) is counted; `max_failed_steps` such steps in a row stop the run with the first error."""
+
+    fn: str | None = None                # the reward of every row without its own "reward" field
+    registry: dict[str, str] = dataclasses.field(default_factory=dict)   # extra names -> "pkg.mod:fn"
     num_workers: int = 2                 # 0 = score in-process (no timeouts; debugging)
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0               # per response; a timeout scores 0 and is counted
+    max_failed_steps: int = 3            # steps in a row where every reward failed before the run stops
 
     def __post_init__(self):
+        check_str("fn", self.fn, allow_none=True)
+        if not isinstance(self.registry, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and ":" in v for k, v in self.registry.items()):
+            raise ConfigError("registry", f"expected a mapping name -> 'package.module:function', got {self.registry!r}")
         check_int("num_workers", self.num_workers, minimum=0)
         check_float("timeout_s", self.timeout_s, above=0.0)
+        check_int("max_failed_steps", self.max_failed_steps, minimum=1)
 
     def build(self):
         """The `jaxrl.rewards.pool.RewardPool` (worker processes with hard per-item timeouts)."""
@@ -166,10 +187,10 @@ class DistributedSection(Section):
     """jax.distributed: a null value falls back to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
     JAX_PROCESS_ID in the environment; none of them set = single process."""
 
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    initialization_timeout: int = 120
+    coordinator: str | None = None       # host:port of process 0 (JAX_COORDINATOR_ADDRESS)
+    num_processes: int | None = None     # processes in the run (JAX_NUM_PROCESSES)
+    process_id: int | None = None        # this process, 0..num_processes-1 (JAX_PROCESS_ID)
+    initialization_timeout: int = 120    # seconds to wait for every process to join
 
     def __post_init__(self):
         check_str("coordinator", self.coordinator, allow_none=True)
@@ -196,12 +217,12 @@ class TrainConfig(Section):
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
-    steps: int = 100
-    seed: int = 0
-    run_dir: str = "runs/quickstart"
+    steps: int = 100                     # RL steps in the run (a resume continues up to this)
+    seed: int = 0                        # data order, sampling and initial weights
+    run_dir: str = "runs/quickstart"     # outputs: metrics, curves, TensorBoard, checkpoints, hf/ (--run-dir)
     save_every: int | None = 10          # None = only at the end
-    keep_checkpoints: int = 3
-    export_hf: bool = True
+    keep_checkpoints: int = 3            # newest checkpoints kept
+    export_hf: bool = True               # write run_dir/hf (HF checkpoint with tokenizer) at the end
     pack_len: int | None = None          # None = max_prompt_len + max_new_tokens (rounded up to 32)
     profile_steps: tuple[int, int] | None = None   # [start, stop]: jax.profiler trace of RL steps start..stop-1
 
@@ -222,3 +243,9 @@ class TrainConfig(Section):
                                   f"(--profile-steps 3:5), got {list(ps)!r}")
         if self.rollout.n != 1:
             raise ConfigError("rollout.n", "set algo.group_size instead (samples per prompt)")
+        longest = self.data.max_prompt_len + self.rollout.max_new_tokens
+        if longest > self.engine.max_seq_len:
+            raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "
+                              f"rollout.max_new_tokens {self.rollout.max_new_tokens} = {longest} tokens > "
+                              f"engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len or lower one "
+                              "of the two")

@@ -1,8 +1,14 @@
-"""`python -m jaxrl.train [--config FILE] [--run-dir DIR] [--profile-steps A:B] [dotted.key=value ...]`.
+"""`python -m jaxrl.train [--config FILE] [--run-dir DIR] [--profile-steps A:B] [--resume=force] [key=value ...]`.
 
 With no arguments: configs/quickstart.yaml (tiny model, built-in tasks, warm start, then GRPO).
-Reads like a table of contents: config -> devices/distributed -> Trainer (data, rollout, rewards,
-trainer) -> run. A config error stops here, before JAX initialises or anything compiles.
+Reads like a table of contents: config -> start-up checks (paths, tokenizer, resume: `preflight`) ->
+devices/distributed -> Trainer (data, rewards, rollout, trainer) -> run -> where the outputs are.
+A config or start-up error stops here with one line (exit 2), before JAX initialises, anything
+compiles or the run directory is created.
+
+An existing run directory is resumed when its saved config matches (or differs only in run-length
+keys such as `steps`); otherwise the run stops and names the keys that differ. `--resume=force`
+continues it with the new values.
 """
 
 from __future__ import annotations
@@ -14,27 +20,52 @@ from jaxrl.config import CONFIGS_DIR, parse_cli
 from jaxrl.config.train import TrainConfig
 
 
-def _flags(argv: list[str]) -> list[str]:
+PROG = "python -m jaxrl.train"
+
+
+def _error(message: str) -> SystemExit:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _flags(argv: list[str]) -> tuple[list[str], str]:
     """Map the friendly flags onto dotted overrides (`--run-dir D` -> `run_dir=D`, `--profile-steps 3:5`
-    or `profile_steps=3:5` -> `profile_steps=[3, 5]`)."""
-    out, it = [], iter(argv)
+    or `profile_steps=3:5` -> `profile_steps=[3, 5]`) and take out `--resume=MODE` (returned)."""
+    out, it, resume = [], iter(argv), "auto"
     for a in it:
+        if a == "--resume" or a.startswith("--resume="):
+            resume = a.partition("=")[2] if "=" in a else next(it, "")
+            continue
         for flag, key in (("--run-dir", "run_dir"), ("--profile-steps", "profile_steps")):
             if a == flag:
                 a = f"{key}={next(it, '')}"
             elif a.startswith(flag + "="):
                 a = f"{key}={a.split('=', 1)[1]}"
         key, _, value = a.removeprefix("--").partition("=")
-        if key == "profile_steps" and ":" in value:
-            start, _, stop = value.partition(":")
-            a = f"profile_steps=[{start.strip()}, {stop.strip()}]"
+        if key == "profile_steps":
+            start, colon, stop = value.partition(":")
+            if not (colon and start.strip().isdigit() and stop.strip().isdigit()) and value not in ("null", "~"):
+                raise _error(f"--profile-steps expects START:STOP with integers 0 <= START < STOP (e.g. 3:5), "
+                             f"got {value!r}")
+            if colon:
+                a = f"profile_steps=[{start.strip()}, {stop.strip()}]"
         out.append(a)
-    return out
+    return out, resume
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _flags(list(sys.argv[1:] if argv is None else argv))
-    cfg = parse_cli(TrainConfig, argv, default_yaml=CONFIGS_DIR / "quickstart.yaml", prog="python -m jaxrl.train")
+    argv, resume = _flags(list(sys.argv[1:] if argv is None else argv))
+    cfg = parse_cli(TrainConfig, argv, default_yaml=CONFIGS_DIR / "quickstart.yaml", prog=PROG, examples=(
+        "model.hf_path=/ckpt/Qwen3-0.6B data.source=my.jsonl rewards.fn=my_rewards:score run_dir=runs/mine",
+        "steps=20 run_dir=runs/try algo.advantage=rloo optim.lr=3e-4 'profile_steps=[3, 5]'",
+        "'train_layout={fsdp: 2, tp: 2}' engine.tp=2 engine.instances=2"),
+        flags="[--run-dir DIR] [--profile-steps A:B] [--resume=force]")
+    from jaxrl.train.preflight import StartupError, preflight
+
+    try:
+        plan = preflight(cfg, resume)
+    except StartupError as e:
+        raise _error(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):      # orbax logs every save at INFO through absl
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -49,12 +80,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxrl.train.trainer import Trainer
 
-    history = Trainer(cfg).run()
-    if history:
-        k = max(1, len(history) // 5)
-        first = sum(h["reward_mean"] for h in history[:k]) / k
-        last = sum(h["reward_mean"] for h in history[-k:]) / k
-        print(f"[train] reward mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}", flush=True)
+    try:
+        trainer = Trainer(cfg, plan)
+    except StartupError as e:
+        raise _error(str(e)) from None
+    from jaxrl.train.rl import RewardsFailedError
+
+    try:
+        trainer.run()
+    except RewardsFailedError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    if trainer.is_main:
+        from jaxrl.train.metrics import run_summary
+
+        print("\n".join(run_summary(cfg.run_dir)), flush=True)
     return 0
 
 

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from tensorboard.summary import Writer
 
-__all__ = ["MetricsLogger", "Profiler", "parse_profile_steps"]
+__all__ = ["MetricsLogger", "Profiler", "parse_profile_steps", "read_rows", "run_summary"]
 
 
 def _plain(value: Any) -> float | int | str | bool | None:
@@ -151,6 +151,43 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_rows(run_dir: str | Path) -> list[dict]:
+    """The complete per-step rows of ``run_dir/metrics.jsonl``, by step (the whole run, resumes included)."""
+    from jaxrl.train.curves import read_metrics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return read_metrics(path) if path.exists() else []
+
+
+def run_summary(run_dir: str | Path) -> list[str]:
+    """The closing lines of a run: the reward trend over the whole run (from ``metrics.jsonl``, so a
+    resumed run reports from its step 0) and where its outputs are, with absolute paths."""
+    run_dir = Path(run_dir).resolve()
+    rows = [r for r in read_rows(run_dir) if isinstance(r.get("reward_mean"), (int, float))]
+    lines = []
+    if rows:
+        k = max(1, len(rows) // 5)
+        first = sum(r["reward_mean"] for r in rows[:k]) / k
+        last = sum(r["reward_mean"] for r in rows[-k:]) / k
+        lines.append(f"[train] reward mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+                     f"(steps {rows[0]['step']}-{rows[-1]['step']})")
+    lines.append(f"[train] outputs in {run_dir}:")
+    cdir = run_dir / "checkpoints"
+    ckpts = sorted(int(p.name) for p in cdir.iterdir() if p.name.isdigit()) if cdir.is_dir() else []
+    entries = [("metrics.jsonl", f"per-step metrics ({len(rows)} steps)"),
+               ("curves.png", "reward and response-length curves"),
+               ("config.yaml", "the config this run started with")]
+    if ckpts:
+        entries.append((f"checkpoints/{ckpts[-1]}", "newest checkpoint; the same command resumes from it"))
+    entries.append(("hf", f"Hugging Face checkpoint: python -m jaxrl.generate model.hf_path={run_dir / 'hf'}"))
+    for name, what in entries:
+        if (run_dir / name).exists():
+            lines.append(f"[train]   {name:<22} {what}")
+    if (run_dir / "tb").is_dir():
+        lines.append(f"[train]   TensorBoard            tensorboard --logdir {run_dir / 'tb'}")
+    return lines
 
 
 _STEPS_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")

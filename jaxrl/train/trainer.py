@@ -1,10 +1,15 @@
 """The synchronous, colocated RL trainer (what verl does), stage by stage.
 
-    setup:   model + train mesh (fsdp x tp over all devices) -> data shard -> optimizer -> rollout
-             instances on this process's devices -> reward pool -> checkpoints/metrics (resume if any)
-    warm start (optional): supervised steps on the built-in tasks' demonstrations
+    setup:   tokenizer -> data shard -> reward pool (every reward name resolved, here and in a worker)
+             -> model + train mesh (fsdp x tp over all devices) -> optimizer -> rollout instances on
+             this process's devices -> checkpoints/metrics (resume if any)
+    warm start (optional): supervised steps on the built-in tasks' demonstrations (skipped for other data)
     each RL step: prompts -> rollout -> rewards -> advantages -> packed global batch
              -> [reference / old log-probs] -> update(s) -> weights resharded into the rollout instances
+    end:     checkpoint, HF export (weights, tokenizer, generation config), curves.png
+
+A run that fails before its first RL step completes leaves nothing a later run would resume from: its
+checkpoint 0 and the config.yaml it wrote are removed, so a retry with another config starts clean.
 
 Every stage lives in its own module; this file only orders them, times them and records metrics.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from tqdm import tqdm
 
 from jaxrl.config import to_yaml
 from jaxrl.config.train import TrainConfig
+from jaxrl.rewards import check_rewards, reward_names
 from jaxrl.data import DataLoader, PromptDataset, encode_demonstrations, encode_prompts
 from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
@@ -30,24 +37,32 @@ from sharding import ShardingRules, padded_vocab_for, shardings_for
 from . import rl
 from .batch import Sample
 from .checkpoint import CheckpointManager
+from .curves import plot_run
 from .distributed import global_sum
 from .metrics import MetricsLogger, Profiler
 from .optim import init_state
+from .preflight import ResumePlan, StartupError, check_tokenizer, plan_resume, write_config
 from .step import make_logprob_fn, make_train_step
 
 log = logging.getLogger("jaxrl.train")
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, plan: ResumePlan | None = None):
+        """`plan`: the start-up decision of `preflight.plan_resume` (made here when None)."""
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.plan = plan if plan is not None else plan_resume(cfg)
         self.is_main = jax.process_index() == 0
         self.model_cfg, self.dtype = cfg.model.model_config(), cfg.model.jnp_dtype()
-        tok_path = cfg.model.hf_path if cfg.data.tokenizer == "model" else cfg.data.tokenizer
-        self.tokenizer = load_tokenizer(tok_path)
-        if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
-            raise SystemExit(f"tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
-                             f"{self.model_cfg.vocab_size}")
+        self.tokenizer = load_tokenizer(check_tokenizer(cfg))
+        self._setup_data()
+        self.pool = cfg.rewards.build()
+        try:
+            check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry), self.pool)
+        except ValueError as e:
+            self.pool.close()
+            raise StartupError(str(e)) from None
+        self.reward_guard = rl.RewardFailureGuard(cfg.rewards.max_failed_steps)
         layout = cfg.train_layout.build()
         if layout.size != jax.device_count():
             raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
@@ -63,7 +78,6 @@ class Trainer:
             self.params = init(jax.random.key(cfg.seed), self.model_cfg, self.dtype, shardings=self.shardings,
                                vocab_size=self.padded_vocab)
         self.ref_params = None
-        self._setup_data()
         self.tx, self.lr = cfg.optim.build(cfg.steps * cfg.algo.mini_batches)
         self.opt_state = init_state(self.tx, self.params, self.shardings, self.mesh)
         temperature = cfg.rollout.temperature or 1.0
@@ -77,7 +91,6 @@ class Trainer:
         self.pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices())
-        self.pool = cfg.rewards.build()
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
         self.resumed = self._maybe_resume()
@@ -143,6 +156,14 @@ class Trainer:
         w = self.cfg.warm_start
         if w.steps == 0 or self.resumed:
             return
+        from jaxrl.data.tasks import BUILTIN_TASKS
+
+        other = sorted({row["task"] for row in self.dataset} - set(BUILTIN_TASKS))
+        if other:
+            if self.is_main:
+                print(f"[train] warm start skipped: it supervises the built-in tasks only, and the data has task "
+                      f"{other[0]!r} (set warm_start.steps=0 to silence this)", flush=True)
+            return
         tx, _ = w.optim.build(w.steps)
         opt = init_state(tx, self.params, self.shardings, self.mesh)
         step_fn = make_train_step(self.model_cfg, self.cfg.algo.build(temperature=1.0, trainer=self.cfg.trainer,
@@ -173,6 +194,7 @@ class Trainer:
         prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
         comps, rewards, rstats = rl.rollout_and_score(self.svc, self.pool, self.tokenizer, cfg, prompts, rows,
                                                       self.step, self.tokenizer.eos_ids)
+        self.reward_guard.update(rstats)         # raises after rewards.max_failed_steps all-failed steps
         t2 = time.perf_counter()
         t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
         lens = [len(c.tokens) for c in comps]
@@ -219,10 +241,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> list[dict]:
+        """Warm start, then RL steps until `cfg.steps`; returns this process's per-step metrics."""
         cfg, history = self.cfg, []
+        if self.plan.resume and not self.resumed:    # every checkpoint proved unusable: a fresh start after all
+            self.plan = ResumePlan(False, "config.yaml")
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            write_config(cfg, self.plan)
+        if self.resumed and self.step >= cfg.steps and self.is_main:
+            print(f"[train] {self.run_dir.resolve()} is already at step {self.step} of steps={cfg.steps}; "
+                  f"raise steps= to train further", flush=True)
         try:
             self.warm_start()
             if self.cfg.algo.kl_coef and self.ref_params is None:
@@ -245,11 +272,44 @@ class Trainer:
                     self._save()
             bar.close()
             if cfg.export_hf:
-                save_hf(self.run_dir / "hf", self.model_cfg, self.params)
+                save_hf(self.run_dir / "hf", self.model_cfg, self.params, tokenizer=self.tokenizer)
+        except BaseException:
+            if self.step == 0 and not self.resumed:
+                self._discard_unstarted()
+            raise
         finally:
             self.close()
+            self._draw_curves()
         return history
 
+    def _discard_unstarted(self):
+        """A run that failed before its first RL step: remove its checkpoint 0 and the config.yaml it wrote,
+        so the next run in this directory starts clean (with whatever config it has)."""
+        import shutil
+
+        self.profiler.close()
+        self.ckpt.close()
+        if not self.is_main:
+            return
+        shutil.rmtree(self.run_dir / "checkpoints" / "0", ignore_errors=True)
+        try:
+            (self.run_dir / "checkpoints").rmdir()      # only when nothing else (e.g. *.corrupt) is there
+        except OSError:
+            pass
+        if self.plan.write_config == "config.yaml":
+            (self.run_dir / "config.yaml").unlink(missing_ok=True)
+        print(f"[train] the run failed before its first RL step; removed its checkpoint 0 and config.yaml from "
+              f"{self.run_dir.resolve()}, so the next run there starts fresh", file=sys.stderr, flush=True)
+
+    def _draw_curves(self):
+        if not self.is_main or not self.metrics.path.exists() or not self.metrics.path.stat().st_size:
+            return
+        try:
+            plot_run(self.run_dir)
+        except Exception as e:   # a plot must never hide the run's own outcome
+            log.warning("could not draw %s: %s", self.run_dir / "curves.png", e)
+
     def close(self):
+        self.profiler.close()
         self.pool.close()
         self.metrics.close()
