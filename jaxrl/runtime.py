@@ -43,3 +43,57 @@ def request_cpu_devices(n: int) -> None:
         if jax.device_count() < n:
             raise SystemExit(f"need {n} devices but JAX already started with {jax.device_count()}; "
                              "start a fresh process") from None
+
+
+class CompileCounter:
+    """XLA compilations in this process, from JAX's own monitoring events.
+
+    Every executable JAX builds (jit's cache misses, AOT `lower().compile()`, a persistent-cache load
+    included) records one `/jax/core/compile/backend_compile_duration` event; loads served from the
+    persistent compilation cache also record `/jax/compilation_cache/cache_hits`. `take()` returns what
+    happened since the previous `take()`: `{"compiles": n, "compile_s": seconds, "compile_cache_hits": k}`.
+    A run whose shapes are bounded compiles nothing after its first steps; a non-zero `compiles` later
+    on is a new shape (a bug to fix, not noise). One listener per process, installed on first use.
+    """
+
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+    _HIT = "/jax/compilation_cache/cache_hits"
+    _installed = False
+    _count = _hits = 0
+    _seconds = 0.0
+    _names: list[str] = []
+
+    def __init__(self):
+        cls = type(self)
+        if not cls._installed:
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+            jax.monitoring.register_event_listener(cls._on_event)
+            cls._installed = True
+        self._last = (cls._count, cls._seconds, cls._hits)
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, fun_name: str = "?", **_) -> None:
+        if event == cls._EVENT:
+            cls._count += 1
+            cls._seconds += duration
+            cls._names.append(fun_name)
+
+    @classmethod
+    def _on_event(cls, event: str, **_) -> None:
+        if event == cls._HIT:
+            cls._hits += 1
+
+    def names(self) -> list[str]:
+        """Names of the functions compiled since the last `take()` (for a log line about a late compile)."""
+        cls = type(self)
+        return cls._names[len(cls._names) - (cls._count - self._last[0]):] if cls._count > self._last[0] else []
+
+    def take(self) -> dict:
+        cls = type(self)
+        now = (cls._count, cls._seconds, cls._hits)
+        delta = {"compiles": now[0] - self._last[0], "compile_s": now[1] - self._last[1],
+                 "compile_cache_hits": now[2] - self._last[2]}
+        self._last = now
+        return delta

@@ -55,7 +55,7 @@ def test_run_dir_contents(tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     assert abs(rows[0]["kl"]) < 1e-9 and rows[1]["kl"] > 1e3 * max(abs(rows[0]["kl"]), 1e-13)  # ref == policy, then KL grows
     for key in ("reward_mean", "response_len_mean", "response_len_max", "step_seconds", "pass_rate", "kl",
-                "entropy", "clip_frac", "grad_norm", "lr", "tokens_per_s", "rollout_s", "train_s"):
+                "entropy", "clip_frac", "grad_norm", "lr", "tokens_per_s", "rollout_s", "train_s", "compiles", "compile_s"):
         assert key in rows[0]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert list((tmp_path / "tb" / "plugins" / "profile").rglob("*.xplane.pb"))

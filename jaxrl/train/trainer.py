@@ -30,6 +30,7 @@ from tqdm import tqdm
 from jaxrl.config import to_yaml
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards import check_rewards, reward_names
+from jaxrl.runtime import CompileCounter
 from jaxrl.data import DataLoader, PromptDataset, encode_demonstrations, encode_prompts
 from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
@@ -95,6 +96,7 @@ class Trainer:
         self.step = 0
         self.resumed = self._maybe_resume()
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
+        self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
         self.profiler = Profiler(self.run_dir, cfg.profile_steps)
 
     # ---------------------------------------------------------------------------------------- setup
@@ -258,11 +260,17 @@ class Trainer:
                 self.ref_params = jax.tree.map(jnp.copy, self.params)
             if not self.resumed and self.step == 0:
                 self._save()
+            self.first_step = self.step
             bar = tqdm(total=cfg.steps, initial=self.step, desc="rl", disable=not self.is_main)
             while self.step < cfg.steps:
                 self.profiler.maybe_start(self.step)
                 m = self.rl_step()
                 self.profiler.maybe_stop(self.step)
+                late = self.compiles.names() if self.step >= self.first_step + 2 else []
+                m.update(self.compiles.take())   # this step's compilations (warm start's count in step 0's)
+                if late:
+                    log.info("step %d compiled %d executable(s) after warm-up (%.1f s): %s", self.step, len(late),
+                             m["compile_s"], ", ".join(sorted(set(late))))
                 self.metrics.log(self.step, m)
                 history.append(m)
                 bar.update(1)
