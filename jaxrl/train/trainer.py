@@ -149,7 +149,7 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         self.svc.update_weights(self.params)
         if self.is_main:
-            print(f"[train] resumed from {self.run_dir / 'checkpoints'} at RL step {self.step}", flush=True)
+            print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
         return True
 
     # ----------------------------------------------------------------------------------- warm start
@@ -315,7 +315,7 @@ class Trainer:
         try:
             plot_run(self.run_dir)
         except Exception as e:   # a plot must never hide the run's own outcome
-            log.warning("could not draw %s: %s", self.run_dir / "curves.png", e)
+            log.warning("could not draw %s: %s", (self.run_dir / "curves.png").resolve(), e)
 
     def close(self):
         self.profiler.close()
