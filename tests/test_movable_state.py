@@ -60,13 +60,14 @@ def _same(outs, ref):
         np.testing.assert_allclose(o.logprobs, r.logprobs, atol=LOGPROB_ATOL_F32)
 
 
-@pytest.mark.parametrize("kind", ["sampled", "greedy"])
+# Two of the four (layout, sampling) pairs: sampled is the stricter check (every sequence's RNG stream must
+# survive the move), the greedy case covers the other layout; all four ran in 140 s of a cold-cache suite.
 @pytest.mark.parametrize("moves", [
-    ("tp2x4", {3: lambda s: s.relayout(8, 1), 6: lambda s: s.relayout(2, 4)}),
-    ("tp1x8", {2: lambda s: s.relayout(4, 2)}),
-], ids=lambda m: m[0] if isinstance(m, tuple) else m)
-def test_relayout_mid_generation_keeps_outputs(weights, prompts, static, kind, moves):
-    name, plan = moves
+    ("tp2x4", "sampled", {3: lambda s: s.relayout(8, 1), 6: lambda s: s.relayout(2, 4)}),
+    ("tp1x8", "greedy", {2: lambda s: s.relayout(4, 2)}),
+], ids=lambda m: f"{m[0]}-{m[1]}")
+def test_relayout_mid_generation_keeps_outputs(weights, prompts, static, moves):
+    name, kind, plan = moves
     tp, n = (2, 4) if name == "tp2x4" else (1, 8)
     svc = RolloutService(CFG, weights, tp=tp, instances=n, **SERVICE)
     outs = _run(svc, prompts, SAMPLED if kind == "sampled" else GREEDY, plan)
