@@ -1,30 +1,15 @@
 """Tokenizer: HF tokenizer.json + chat template render exactly as transformers does; char tokenizer."""
 
-import json
 
 import pytest
 
 from models.tokenizer import CharTokenizer, load_tokenizer
 
-TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
+from .hf_util import write_bpe_tokenizer
 
 @pytest.fixture()
 def hf_dir(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator(["what is 2 + 3? the answer is 5.", "system user assistant hello world"] * 20, trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<unk>",
-         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return tmp_path
+    return write_bpe_tokenizer(tmp_path)
 
 
 def test_matches_transformers(hf_dir):
