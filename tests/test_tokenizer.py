@@ -1,6 +1,5 @@
 """Tokenizer: HF tokenizer.json + chat template render exactly as transformers does; char tokenizer."""
 
-
 import pytest
 
 from models.tokenizer import CharTokenizer, load_tokenizer
