@@ -68,10 +68,13 @@ class EngineSection(Section):
     prefill_chunk: int = 256      # prompt tokens per row per prefill call
     prefill_tokens: int = 8192    # prompt tokens per prefill call (admitted prompts prefill together)
     overlap: bool = True          # dispatch decode step n+1 before reading step n
+    batch_buckets_per_octave: int = 2   # decode batch buckets per doubling (more: less padding, more compiles)
+    page_buckets: int = 2         # decode/prefill page-table widths: max_pages / 2^i, i < this
 
     def __post_init__(self):
         check_choice("attention_impl", self.attention_impl, ("xla", "pallas"))
-        for name in ("tp", "instances", "page_size", "max_batch", "max_seq_len", "prefill_chunk", "prefill_tokens"):
+        for name in ("tp", "instances", "page_size", "max_batch", "max_seq_len", "prefill_chunk", "prefill_tokens",
+                     "batch_buckets_per_octave", "page_buckets"):
             check_int(name, getattr(self, name), minimum=1)
         if self.num_pages is not None:
             check_int("num_pages", self.num_pages, minimum=2)
@@ -98,7 +101,8 @@ class EngineSection(Section):
                               kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
                               max_seq_len=self.max_seq_len, prefix_sharing=self.prefix_sharing,
                               attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
-                              prefill_tokens=self.prefill_tokens, overlap=self.overlap)
+                              prefill_tokens=self.prefill_tokens, overlap=self.overlap,
+                              batch_buckets_per_octave=self.batch_buckets_per_octave, page_buckets=self.page_buckets)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ a service rebuilt after `relayout`) reuses its executables, and `compiles` / `co
 compilations the rollout caused. One process-wide cache (`CACHE`) serves every instance and service.
 
 `Executor.warm(weights, kv, decode=[(rows, pages)], prefill=[(rows, width, pages)])` compiles ahead and
-runs each step once on dummy inputs whose every row is padding, so it writes only the scratch page 0.
+runs each step once on dummy inputs whose every row is padding, so it writes only the scratch page 0;
+`Instance.warm` passes it the instance's whole bounded set (`shapes.ShapeBuckets`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,21 @@ from .sampling import SamplingBatch
 from .scheduler import DecodeBatch, PrefillBatch
 
 
+def _axes(entry, mesh):
+    """A spec entry without the mesh axes of size 1 (None when nothing is left)."""
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and mesh.shape[n] > 1)
+    return names or None
+
+
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
     sig = []
     for x in leaves:
-        if isinstance(x, jax.Array):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             sh = x.sharding
-            if isinstance(sh, NamedSharding):      # P(None, 'tp') and P(None, 'tp', None) are one sharding
-                spec = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
-                sh = (sh.mesh, spec, sh.memory_kind)
+            if isinstance(sh, NamedSharding):      # P(None, 'tp') and P(None, 'tp', None) are one sharding,
+                spec = tuple(_axes(e, sh.mesh) for e in sh.spec) + (None,) * (x.ndim - len(sh.spec))
+                sh = (sh.mesh, spec, sh.memory_kind)   # and so are P('tp') and P() when tp has size 1
             sig.append((x.shape, x.dtype, sh))
         else:
             x = np.asarray(x)
@@ -60,8 +67,14 @@ class ExecutableCache:
     calls: int = 0
     _table: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
-    def __call__(self, name: str, fn, *args, **static):
-        key = (name, tuple(sorted(static.items())), _signature(args))
+    @staticmethod
+    def key(name: str, args, **static) -> tuple:
+        return name, tuple(sorted(static.items())), _signature(args)
+
+    def compile(self, name: str, fn, *args, **static):
+        """The executable for these inputs (arrays or ShapeDtypeStructs with shardings), compiled if new;
+        nothing runs."""
+        key = self.key(name, args, **static)
         exe = self._table.get(key)
         if exe is None:
             t = time.perf_counter()
@@ -73,6 +86,10 @@ class ExecutableCache:
                 self._table.popitem(last=False)
         else:
             self._table.move_to_end(key)
+        return exe
+
+    def __call__(self, name: str, fn, *args, **static):
+        exe = self.compile(name, fn, *args, **static)
         self.calls += 1
         return exe(*args)
 
@@ -88,11 +105,13 @@ CACHE = ExecutableCache()
 
 
 class Executor:
-    """Runs one instance's device steps (prefill, decode, token feed) on its mesh through `CACHE`."""
+    """Runs one instance's device steps (prefill, decode) on its mesh through `CACHE`."""
 
-    def __init__(self, cfg: ModelConfig, mesh, *, attention_impl: str = "xla", cache: ExecutableCache = CACHE):
-        self.cfg, self.mesh, self.impl, self.cache = cfg, mesh, attention_impl, cache
+    def __init__(self, cfg: ModelConfig, mesh, *, max_batch: int, attention_impl: str = "xla",
+                 cache: ExecutableCache = CACHE):
+        self.cfg, self.mesh, self.impl, self.cache, self.max_batch = cfg, mesh, attention_impl, cache, max_batch
         self.replicated = NamedSharding(mesh, PartitionSpec())
+        self._zeros = None
 
     def put(self, x):
         return jax.device_put(x, self.replicated)
@@ -103,27 +122,32 @@ class Executor:
         return KVStore(k, v)
 
     def decode(self, weights, kv: KVStore, b: DecodeBatch, prev_tokens=None):
-        """Dispatch one decode step; returns (tokens, logprobs, kv) as device arrays (nothing is read)."""
-        rows = len(b.tokens)
-        tok_in = self.put(b.tokens)
-        if (b.src >= 0).any():
-            tok_in = self.cache("feed", model_step.feed_tokens, prev_tokens, self.put(b.src), tok_in)
-        sb = jax.tree.map(self.put, SamplingBatch.build(b.sampling, rows))
-        tok, logp, k, v = self.cache("decode", model_step.decode_step, weights, kv.k, kv.v, tok_in,
-                                     self.put(b.positions), self.put(b.table), sb, cfg=self.cfg, impl=self.impl)
+        """Dispatch one decode step; returns (tokens [max_batch], logprobs [rows], kv) as device arrays
+        (nothing is read). `prev_tokens`: the previous step's returned tokens (None: every input token is
+        on the host)."""
+        if prev_tokens is None:
+            prev_tokens = self._no_prev()
+        sb = jax.tree.map(self.put, SamplingBatch.build(b.sampling, len(b.tokens)))
+        tok, logp, k, v = self.cache("decode", model_step.decode_step, weights, kv.k, kv.v, prev_tokens,
+                                     self.put(b.src), self.put(b.tokens), self.put(b.positions), self.put(b.table),
+                                     sb, cfg=self.cfg, impl=self.impl)
         return tok, logp, KVStore(k, v)
+
+    def _no_prev(self):
+        if self._zeros is None:
+            self._zeros = self.put(np.zeros(self.max_batch, np.int32))
+        return self._zeros
 
     def warm(self, weights, kv: KVStore, *, decode=(), prefill=(), truncate=(False,)) -> KVStore:
         """Compile (and run once, on padding rows that write only the scratch page) each decode bucket
-        (rows, page-table width) and prefill bucket (rows, chunk width, page-table width)."""
+        (rows, page-table width), for each `truncate` variant of the sampler (whether top-k/top-p is
+        compiled in), and each prefill bucket (rows, chunk width, page-table width)."""
         for rows, pages in decode:
             for tr in truncate:
                 params = SamplingParams(temperature=1.0, top_k=2) if tr else SamplingParams(temperature=0.0)
-                src = np.full(rows, -1, np.int32)
-                src[0] = 0                      # also compiles the on-device token feed of overlapped steps
-                b = DecodeBatch([], np.zeros(rows, np.int32), np.zeros(rows, np.int32), src,
+                b = DecodeBatch([], np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full(rows, -1, np.int32),
                                 np.zeros((rows, pages), np.int32), [(params, 0, 0)])
-                _, _, kv = self.decode(weights, kv, b, prev_tokens=self.put(np.zeros(rows, np.int32)))
+                _, _, kv = self.decode(weights, kv, b)
         for rows, width, pages in prefill:
             b = PrefillBatch([], np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
                              np.zeros(rows, np.int32), np.zeros((rows, pages), np.int32))

@@ -11,7 +11,7 @@ dispatch one decode step, never waiting for the device. `collect()` reads a step
 tokens and retires finished sequences at once. A service dispatches every instance before collecting.
 
 Overlap (default): step n+1 is dispatched before step n's tokens are read. Its input tokens are step
-n's device outputs (`model_step.feed_tokens`), its pages are reserved one position ahead, and the host
+n's device outputs (fed inside `model_step.decode_step`), its pages are reserved one position ahead, and the host
 reads step n while the device runs n+1, so the host's scheduling time hides behind device time. A
 sequence that stops at step n has computed one extra token in n+1; it is discarded (its K/V went to the
 sequence's own page, freed afterwards; the device orders the later reuse). Sequences whose in-flight
@@ -38,6 +38,7 @@ from sharding import Layout, ShardingRules
 from .executor import Executor
 from .kv_store import KVStore
 from .scheduler import Scheduler, Sequence, SequenceState
+from .shapes import ShapeBuckets
 
 
 @dataclasses.dataclass
@@ -54,15 +55,20 @@ class Completion:
 
 class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
-                 max_batch: int = 64, prefill_chunk: int = 256, prefill_tokens: int = 8192, kv_dtype=None,
-                 prefix_sharing: bool = True, attention_impl: str = "xla", overlap: bool = True):
+                 max_batch: int = 64, max_seq_len: int | None = None, prefill_chunk: int = 256,
+                 prefill_tokens: int = 8192, kv_dtype=None, prefix_sharing: bool = True, attention_impl: str = "xla",
+                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 2):
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.layout = Layout(tp=mesh.shape["tp"])
+        self.shapes = ShapeBuckets.build(max_batch=max_batch, max_seq_len=max_seq_len or (num_pages - 1) * page_size,
+                                         page_size=page_size, prefill_chunk=prefill_chunk,
+                                         prefill_tokens=prefill_tokens, per_octave=batch_buckets_per_octave,
+                                         page_buckets=page_buckets)
         self.sched = Scheduler(num_pages, page_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                               prefill_tokens=prefill_tokens, prefix_sharing=prefix_sharing)
+                               prefill_tokens=prefill_tokens, prefix_sharing=prefix_sharing, shapes=self.shapes)
         dtype = kv_dtype or jax.tree.leaves(weights)[0].dtype
         self.kv = KVStore.allocate(cfg, mesh, ShardingRules.rollout(cfg, self.layout), num_pages, page_size, dtype)
-        self.executor = Executor(cfg, mesh, attention_impl=attention_impl)
+        self.executor = Executor(cfg, mesh, max_batch=max_batch, attention_impl=attention_impl)
         self.overlap = overlap
         self.external: set[int] = set()    # weight buffers shared with arrays the caller owns: never free them
         self.busy_s = 0.0
@@ -101,6 +107,20 @@ class Instance:
         return bool(self.sched.waiting or self.sched.running or self._inflight or self._ready)
 
     # ------------------------------------------------------------------ steps
+    def warm(self, *, truncate=(False,)) -> int:
+        """Compile every step shape this instance can run (`self.shapes`: decode, prefill, page copies),
+        for each sampler variant in `truncate`; returns how many executables that compiled (0 when they
+        are all cached). Afterwards no rollout on this instance compiles."""
+        from .executor import CACHE
+
+        before = CACHE.compiles
+        sh = self.shapes
+        self.kv = self.executor.warm(self.weights, self.kv, decode=sh.decode_shapes(), prefill=sh.prefill_shapes(),
+                                     truncate=truncate)
+        for n in sh.copy_shapes(self.max_batch):     # copy-on-write of shared prompt pages: scratch -> scratch
+            self.kv = self.kv.copy_pages([(0, 0)] * n)
+        return CACHE.compiles - before
+
     def _drain(self):
         while self._inflight:
             self._ready += self._read(self._inflight.popleft())

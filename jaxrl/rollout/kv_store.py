@@ -8,7 +8,7 @@ out_shardings: no whole pool ever sits on one device). Page 0 is the scratch pag
 Page moves (`move_pages`) copy pages of one pool into pages of another, **layer by layer**: per layer one
 gather of the source pages on the source devices, one `jax.device_put` to the target's one-layer sharding,
 and one scatter into the donated target pool, so the transient memory is one layer of the moved pages. Index
-vectors are padded to `fine_bucket` lengths (at most 25% extra entries, which copy into the scratch page) to
+vectors are padded to `shapes.fine_bucket` lengths (at most 25% extra entries, which copy into the scratch page) to
 bound compilations. The bytes a move sends are predicted without moving anything by `move_bytes` (the same
 box-overlap count as `sharding.reshard_bytes`, for the valid pages; the padding entries add at most 25%) and
 equal what `move_pages` reports.
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import ModelConfig, kv_cache_spec
 from sharding import ShardingRules, leaf_bytes_moved, shardings_for
 
-from .scheduler import fine_bucket
+from .shapes import copy_bucket, fine_bucket
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -67,7 +67,7 @@ class KVStore:
         """Copy page src -> dst in every layer, for each (src, dst) (copy-on-write of shared prompt pages)."""
         if not copies:
             return self
-        src, dst = _padded([c[0] for c in copies]), _padded([c[1] for c in copies])
+        src, dst = _padded([c[0] for c in copies], copy_bucket), _padded([c[1] for c in copies], copy_bucket)
         put = lambda x: jax.device_put(x, NamedSharding(self.sharding.mesh, PartitionSpec()))  # noqa: E731
         return KVStore(*_copy_pages(self.k, self.v, put(src), put(dst)))
 
@@ -82,8 +82,8 @@ class KVStore:
         return _take_all(self.k, self.v, idx)
 
 
-def _padded(ids: list[int]) -> np.ndarray:
-    out = np.zeros(fine_bucket(len(ids)), np.int32)
+def _padded(ids: list[int], bucket=fine_bucket) -> np.ndarray:
+    out = np.zeros(bucket(len(ids)), np.int32)
     out[:len(ids)] = ids
     return out
 

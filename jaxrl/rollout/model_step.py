@@ -79,14 +79,21 @@ def prefill_step(weights, k_pages, v_pages, tokens, start, n_valid, page_table, 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("k_pages", "v_pages"))
-def decode_step(weights, k_pages, v_pages, tokens, positions, page_table, sampling, *, cfg: ModelConfig,
-                impl: str = "xla"):
-    """One token for each of B sequences: tokens [B] at positions [B]; page_table [B, MP].
+def decode_step(weights, k_pages, v_pages, prev_tokens, src, tokens, positions, page_table, sampling, *,
+                cfg: ModelConfig, impl: str = "xla"):
+    """One token for each of B sequences at positions [B]; page_table [B, MP].
 
+    Input tokens: row i takes `prev_tokens[src[i]]` (the previous step's output, still on the device:
+    overlapped steps) where src[i] >= 0, else `tokens[i]` (known on the host). `prev_tokens` has a fixed
+    length M >= B (the instance's max_batch) and so does the returned token vector (rows >= B are 0), so
+    one executable per (B, MP) serves whatever bucket the previous step had.
     Padding rows point their page table at the scratch page 0. `impl` picks `paged_decode_attention`'s
     implementation: "xla" (the CPU default) or "pallas" (GPU; interpret mode on the CPU). Returns
-    (tokens [B], logprobs [B], k_pages, v_pages).
+    (tokens [M], logprobs [B], k_pages, v_pages).
     """
+    B = tokens.shape[0]
+    prev = prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)]
+    tokens = jnp.where(src >= 0, prev, tokens)
     ps = k_pages.shape[3]
     page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
     slot = positions % ps
@@ -102,12 +109,5 @@ def decode_step(weights, k_pages, v_pages, tokens, positions, page_table, sampli
     h, (k_pages, v_pages), _ = decoder_stack(weights, cfg, weights.embed[tokens[:, None]], positions[:, None],
                                              attend, carry=(k_pages, v_pages))
     tok, logp = sample(_logits(weights, h[:, 0], cfg.vocab_size), sampling)
-    return tok, logp, k_pages, v_pages
+    return jnp.zeros_like(prev_tokens).at[:B].set(tok), logp, k_pages, v_pages
 
-
-@jax.jit
-def feed_tokens(prev_tokens, src, host_tokens):
-    """Next step's input tokens: row i takes `prev_tokens[src[i]]` (the previous step's output, still on
-    the device) where src[i] >= 0, else `host_tokens[i]`."""
-    prev = prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)]
-    return jnp.where(src >= 0, prev, host_tokens)

@@ -13,8 +13,11 @@ Per step (see `Instance.launch`):
      prompt position (copy-on-write);
   3. `ensure_pages`: every running sequence owns the page its next position lands in; when the pool is
      empty the most recently admitted sequence is preempted (pages freed, recomputed later; counted);
-  4. `decode_batch`: the running set, padded to a power-of-two batch bucket; `take_tokens` appends what
-     the device sampled and retires finished sequences at once.
+  4. `decode_batch`: the running set, padded to a batch bucket; `take_tokens` appends what the device
+     sampled and retires finished sequences at once.
+
+Every step's shape comes from the instance's bounded `ShapeBuckets` (shapes.py), so a run compiles a
+fixed set of executables, all of them at start (`Executor.warm_all`).
 
 A sequence may hold KV pages while waiting (attached with migrated KV when the running batch was full):
 admission then only allocates what it still lacks, and prefill starts at its `computed` position.
@@ -30,17 +33,7 @@ import numpy as np
 
 from .pages import PagePool
 from .params import SamplingParams
-
-
-def fine_bucket(n: int) -> int:
-    """Round up to a multiple of 2^(bits(n)-3): at most 25% padding and 4 shapes (compiles) per octave."""
-    step = 1 << max(0, n.bit_length() - 3)
-    return -(-max(n, 1) // step) * step
-
-
-def bucket(n: int, cap: int | None = None) -> int:
-    b = 1 << max(0, (n - 1).bit_length())
-    return b if cap is None else min(b, max(cap, n))
+from .shapes import ShapeBuckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +140,14 @@ class SchedulerSnapshot:
 
 class Scheduler:
     def __init__(self, num_pages: int, page_size: int, *, max_batch: int = 64, prefill_chunk: int = 256,
-                 prefill_tokens: int = 8192, prefix_sharing: bool = True):
+                 prefill_tokens: int = 8192, prefix_sharing: bool = True, shapes: ShapeBuckets | None = None):
+        """`shapes`: the step shapes (default: buckets for sequences as long as the whole pool holds)."""
         self.pool = PagePool(num_pages, page_size)
         self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
         self.prefill_tokens = max(prefill_tokens, prefill_chunk)
+        self.shapes = shapes or ShapeBuckets.build(max_batch=max_batch, max_seq_len=self.pool.capacity * page_size,
+                                                   page_size=page_size, prefill_chunk=prefill_chunk,
+                                                   prefill_tokens=self.prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = self.generated = 0
@@ -228,22 +225,23 @@ class Scheduler:
 
     def prefill_batches(self, seqs: list[Sequence]):
         """Yield the prefill calls that bring every sequence to `computed == len - 1` (advancing as it goes)."""
-        C = self.prefill_chunk
+        sh, ps = self.shapes, self.pool.page_size
         while True:
             todo = [s for s in seqs if s.computed < len(s) - 1]
             if not todo:
                 return
-            width = bucket(min(C, max(len(s) - 1 - s.computed for s in todo)))
-            todo = todo[:max(1, self.prefill_tokens // width)]
-            rows, mp = bucket(len(todo)), bucket(max(len(s.pages) for s in todo))
+            width = sh.prefill_width(max(len(s) - 1 - s.computed for s in todo))
+            todo = todo[:sh.prefill_rows_cap(width)]
+            n = [min(width, len(s) - 1 - s.computed) for s in todo]
+            need = [-(-(s.computed + k) // ps) for s, k in zip(todo, n)]   # pages holding the chunk's K/V
+            rows, _, mp = sh.prefill(len(todo), width, max(need))
             b = PrefillBatch(todo, np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
                              np.zeros(rows, np.int32), np.zeros((rows, mp), np.int32))
-            for i, s in enumerate(todo):
-                n = min(width, len(s) - 1 - s.computed)
-                b.tokens[i, :n] = s.tokens[s.computed:s.computed + n]
-                b.start[i], b.n_valid[i] = s.computed, n
-                b.table[i, :len(s.pages)] = s.pages
-                s.computed += n
+            for i, (s, k, p) in enumerate(zip(todo, n, need)):
+                b.tokens[i, :k] = s.tokens[s.computed:s.computed + k]
+                b.start[i], b.n_valid[i] = s.computed, k
+                b.table[i, :p] = s.pages[:p]
+                s.computed += k
             yield b
 
     def fork(self, group: list[Sequence]) -> list[tuple[int, int]]:
@@ -308,9 +306,9 @@ class Scheduler:
         seqs = [s for s in self.running if self.decodes_next(s)]
         if not seqs:
             return None
-        # Batch rows: power-of-two buckets. Page-table width: finer buckets, because the XLA decode path
-        # gathers (and attends over) every page slot of every row, each layer, each step.
-        rows, mp = bucket(len(seqs)), fine_bucket(max(len(s.pages) for s in seqs))
+        # Both from the bounded buckets; the page-table width matters because the XLA decode path gathers
+        # (and attends over) every page slot of every row, each layer, each step.
+        rows, mp = self.shapes.decode(len(seqs), max(len(s.pages) for s in seqs))
         b = DecodeBatch(seqs, np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full(rows, -1, np.int32),
                         np.zeros((rows, mp), np.int32), [])
         prev_rows = {id(s): i for i, s in enumerate(prev or [])}

@@ -11,6 +11,10 @@
     svc.add(prompt, params, instance=i)           # route to a chosen instance (default: the router)
     svc.update_weights(new_weights)               # layer-wise reshard from any layout
 
+Each instance runs a bounded set of step shapes (`shapes.ShapeBuckets`: decode rows in
+`batch_buckets_per_octave` steps per octave, `page_buckets` page-table widths, x4 prefill ladders);
+`warm()` compiles the whole set, after which no rollout compiles.
+
 Every `step()` dispatches all instances' work (`Instance.launch`, asynchronous) before reading any
 result (`Instance.collect`), so instances on disjoint devices run concurrently; with `overlap` (default)
 each instance also reads step n only after dispatching step n+1 (see `instance`). Stepping after a
@@ -66,7 +70,8 @@ class RolloutService:
                  max_seq_len: int = 1024, kv_bytes_per_device: int | None = None,
                  kv_memory_fraction: float | None = None, prefill_chunk: int = 256, prefill_tokens: int = 8192,
                  kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
-                 attention_impl: str = "xla", overlap: bool = True):
+                 attention_impl: str = "xla", overlap: bool = True, batch_buckets_per_octave: int = 2,
+                 page_buckets: int = 2):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:
@@ -77,9 +82,10 @@ class RolloutService:
         self.memory = dict(num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_seq_len=max_seq_len,
                            kv_bytes_per_device=kv_bytes_per_device, kv_memory_fraction=kv_memory_fraction,
                            kv_dtype=kv_dtype)
-        self.instance_kw = dict(page_size=page_size, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens,
-                                kv_dtype=kv_dtype, prefix_sharing=prefix_sharing, attention_impl=attention_impl,
-                                overlap=overlap)
+        self.instance_kw = dict(page_size=page_size, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                                prefill_tokens=prefill_tokens, kv_dtype=kv_dtype, prefix_sharing=prefix_sharing,
+                                attention_impl=attention_impl, overlap=overlap,
+                                batch_buckets_per_octave=batch_buckets_per_octave, page_buckets=page_buckets)
         self.instances: list[Instance] = []
         given = migration.buffers(weights)
         meshes = [Layout(tp=len(g)).make_mesh(g) for g in plan_layout(tp, instances, self.devices)]
@@ -165,6 +171,14 @@ class RolloutService:
         for s in seqs:
             self._where[s.rid] = inst
         return [s.rid for s in seqs]
+
+    def warm(self, params: Seq[SamplingParams] = (SamplingParams(),)) -> int:
+        """Compile, on every instance, each step shape it can run (its bounded `ShapeBuckets`) with the
+        sampler variants `params` need (whether top-k/top-p is compiled in); returns the number of new
+        executables. Afterwards rollouts with such params compile nothing (instances rebuilt on the same
+        layout reuse the executables)."""
+        truncate = tuple(sorted({p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params}))
+        return sum(inst.warm(truncate=truncate) for inst in self.instances)
 
     def _instance(self, index: int | None) -> Instance:
         if index is not None:

@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl.rollout.scheduler import fine_bucket
+from jaxrl.rollout.shapes import fine_bucket
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advanta
 
 
 def row_bucket(n: int) -> int:
-    """Training rows use the rollout scheduler's fine buckets (<= 25% padding, 4 shapes per octave)."""
+    """Training rows (without fixed micro-batches): at most 25% padding, 4 shapes (compiles) per octave."""
     return fine_bucket(n)
 
 

@@ -1,0 +1,99 @@
+"""Bounded shapes: every step a rollout (and a training update) runs has a shape from a fixed set that
+`warm()` compiles up front, so a ragged, long-tailed workload compiles nothing afterwards."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.rollout import CACHE, RolloutService, SamplingParams, Scheduler
+from jaxrl.rollout.params import prompt_seed
+from jaxrl.rollout.scheduler import Sequence
+from jaxrl.rollout.shapes import ShapeBuckets, ladder, up
+from jaxrl.runtime import CompileCounter
+from models import PRESETS, init
+
+CFG = PRESETS["tiny-qwen3"]
+
+
+def test_ladder():
+    assert ladder(64, 1) == (1, 2, 4, 8, 16, 32, 64)
+    assert ladder(64, 2) == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    assert ladder(100, 4)[-1] == 100 and all(b > a for a, b in zip(ladder(100, 4), ladder(100, 4)[1:]))
+    lad = ladder(256, 4)
+    for n in range(8, 257):      # 4 steps per octave: at most 25% padding from 8 up
+        assert n <= up(lad, n) <= n * 1.25
+    with pytest.raises(ValueError, match="exceeds"):
+        up(lad, 257)
+
+
+def _ragged(rng, n, max_prompt, max_new):
+    """Prompt lengths uniform, completion lengths roughly geometric (mean max_new/4), some shared groups."""
+    out = []
+    for i in range(n):
+        p = SamplingParams(max_new_tokens=int(min(max_new, 1 + rng.geometric(4 / max_new))),
+                           n=int(rng.choice([1, 2, 3])), temperature=1.0)
+        out.append((rng.integers(0, CFG.vocab_size, int(rng.integers(1, max_prompt + 1))).tolist(), p))
+    return out
+
+
+@pytest.mark.parametrize("per_octave", [1, 2, 4])
+def test_scheduler_shapes_stay_in_the_declared_set(per_octave):
+    """A host-only run of the scheduler (no device): ragged prompts, geometric lengths, a pool small enough
+    to preempt (recompute prefills of prompt + generated tokens, chunked past prefill_chunk)."""
+    rng = np.random.default_rng(per_octave)
+    max_seq_len, ps = 120, 8
+    sh = ShapeBuckets.build(max_batch=12, max_seq_len=max_seq_len, page_size=ps, prefill_chunk=64,
+                            prefill_tokens=256, per_octave=per_octave)
+    sched = Scheduler(40, ps, max_batch=12, prefill_chunk=64, prefill_tokens=256, shapes=sh)
+    rid = 0
+    for g, (prompt, p) in enumerate(_ragged(rng, 30, 40, 80)):
+        seqs = [Sequence(rid + k, prompt, p, prompt_seed(0, rid + k), group=g) for k in range(p.n)]
+        rid += p.n
+        sched.add(seqs)
+    decode, prefill = set(sh.decode_shapes()), set(sh.prefill_shapes())
+    seen_d, seen_p, steps = set(), set(), 0
+    while sched.waiting or sched.running:
+        groups = sched.admit()
+        for b in sched.prefill_batches([g[0] for g in groups]):
+            seen_p.add((*b.tokens.shape, b.table.shape[1]))
+        for g in groups:
+            if len(g) > 1:
+                sched.fork(g)
+        sched.start(groups)
+        sched.ensure_pages()
+        b = sched.decode_batch()
+        if b is None:
+            continue
+        seen_d.add(b.table.shape)
+        tok = rng.integers(0, CFG.vocab_size, len(b.seqs))
+        for s, _ in sched.take_tokens(b.seqs, tok, np.zeros(len(b.seqs))):
+            sched.retire(s)
+        steps += 1
+    assert sched.preemptions > 0 and steps > 50
+    assert seen_d <= decode, seen_d - decode
+    assert seen_p <= prefill, seen_p - prefill
+    assert any(w == 64 for _, w, _ in seen_p)      # a chunked (recompute) prefill happened
+
+
+def test_warm_then_ragged_rollout_compiles_nothing():
+    """warm() compiles the instance's whole set; a ragged, preempting, overlapped rollout with shared
+    prompts and stop tokens then triggers no XLA compilation at all (JAX's own monitoring events)."""
+    weights = init(jax.random.key(0), CFG)
+    svc = RolloutService(CFG, weights, devices=jax.devices()[:1], page_size=8, num_pages=12, max_batch=8,
+                         max_seq_len=64, prefill_chunk=32, prefill_tokens=128)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9)
+    n = svc.warm([sampled])
+    sh = svc.instances[0].shapes
+    assert n >= len(sh.decode_shapes()) + len(sh.prefill_shapes())
+    assert svc.warm([sampled]) == 0                      # everything is cached now
+    counter = CompileCounter()
+    before = CACHE.compiles
+    rng = np.random.default_rng(0)
+    for prompt, p in _ragged(rng, 10, 30, 34):
+        svc.add(prompt, SamplingParams(max_new_tokens=p.max_new_tokens, n=p.n, temperature=1.0, top_p=0.9,
+                                       stop_token_ids=(5, 7, 11), seed=3))
+    outs = svc.run()
+    got = counter.take()
+    assert len(outs) > 10 and len({len(c.tokens) for c in outs}) > 4
+    assert svc.stats()[0]["preemptions"] > 0
+    assert CACHE.compiles == before and got["compiles"] == 0, counter.names()
