@@ -97,3 +97,65 @@ def test_warm_then_ragged_rollout_compiles_nothing():
     assert len(outs) > 10 and len({len(c.tokens) for c in outs}) > 4
     assert svc.stats()[0]["preemptions"] > 0
     assert CACHE.compiles == before and got["compiles"] == 0, counter.names()
+
+
+def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
+    """The trainer's update over fixed-shape micro-batches (rl.micro_batches + Updater) equals the fused
+    whole-batch step (rl.global_batch + make_train_step, its unoptimised twin) within float32 rounding, on
+    an FSDP2 mesh; after `warm()` updates on batches of other sizes compile nothing."""
+    import dataclasses
+
+    from jaxrl.config.loading import from_yaml_file
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.train import rl
+    from jaxrl.train.batch import FIELDS, INT_FIELDS, Sample
+    from jaxrl.train.optim import init_state
+    from jaxrl.train.step import make_train_step
+    from jaxrl.train.update import CACHE as UPDATE_CACHE, Updater
+    from models import logical_axes
+    from sharding import Layout, ShardingRules, shardings_for
+
+    cfg = from_yaml_file(TrainConfig, "configs/quickstart.yaml")
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=96))
+    mcfg = dataclasses.replace(PRESETS["tiny-char"], num_layers=2, hidden_size=64, intermediate_size=128)
+    layout = Layout(fsdp=2)
+    mesh = layout.make_mesh(jax.devices()[:2])
+    sh = shardings_for(logical_axes(mcfg), mesh, ShardingRules.train(mcfg, layout))
+    spec = cfg.algo.build(temperature=1.0, trainer=cfg.trainer)
+    tx, _ = cfg.optim.build(10)
+    pack_len, rows = 48, rl.micro_batch_rows(cfg, mesh, 48)
+    assert rows == 2
+    rng = np.random.default_rng(0)
+
+    def samples(n):
+        return [Sample(rng.integers(3, 100, rng.integers(3, 12)).tolist(),
+                       rng.integers(3, 100, rng.integers(1, 30)).tolist(), float(rng.normal())) for _ in range(n)]
+
+    def fresh():
+        p = init(jax.random.key(0), mcfg, shardings=sh)
+        return p, init_state(tx, p, sh, mesh)
+
+    upd = Updater(mcfg, spec, tx)
+    p, o = fresh()
+    mb_abs = {k: jax.ShapeDtypeStruct((rows, pack_len), np.int32 if k in INT_FIELDS else np.float32,
+                                      sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), None)))
+              for k in FIELDS}
+    upd.warm(p, o, mb_abs)
+    fused = make_train_step(mcfg, spec, tx, 1)
+    counter, before = CompileCounter(), UPDATE_CACHE.compiles
+    for n in (9, 16, 5):                             # 4+, 7+ and 2+ micro-batches: the same executables
+        batch = samples(n)
+        mbs = rl.micro_batches(batch, cfg, mesh, pack_len, cfg.rollout.max_new_tokens, rows)
+        assert all(mb["tokens"].shape == (rows, pack_len) for mb in mbs)
+        p, o = fresh()
+        counter.take()
+        p, o, m = upd.update(p, o, mbs)
+        got = counter.take()["compiles"]
+        assert UPDATE_CACHE.compiles == before and got == 0
+        q, s = fresh()
+        q, s, m2 = fused(q, s, rl.global_batch(batch, cfg, mesh, pack_len, cfg.rollout.max_new_tokens), 1.0)
+        counter.take()
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(float(m["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(float(m["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)

@@ -104,7 +104,9 @@ def test_two_processes_equal_one(tmp_path):
 
 def test_quickstart_metrics_unchanged(tmp_path):
     """The quickstart recipe, shortened, reproduces the per-step metrics recorded before the movable-state
-    refactor (tests/golden/quickstart_short.json) exactly: same seed -> same rollouts, rewards, losses."""
+    refactor (tests/golden/quickstart_short.json): same seed -> the same rollouts and rewards exactly, the
+    same losses within float32 rounding; and after its warm-up it compiles nothing (a ragged workload:
+    response lengths vary step to step)."""
     golden = json.loads((ROOT / "tests" / "golden" / "quickstart_short.json").read_text())
     cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "steps=6", "warm_start.steps=10",
            "save_every=null", "export_hf=false"]
@@ -112,5 +114,12 @@ def test_quickstart_metrics_unchanged(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = _metrics(tmp_path)
     assert len(rows) == len(golden["steps"])
+    exact = ("reward_mean", "pass_rate", "response_len_mean", "response_len_max")     # the same rollouts
     for step, (row, want) in enumerate(zip(rows, golden["steps"])):
-        assert {k: row[k] for k in want} == want, step
+        assert {k: row[k] for k in exact} == {k: want[k] for k in exact}, step
+        # Fixed-shape micro-batches sum the gradient in another order than the recorded whole-batch step:
+        # float32 rounding (measured: loss within 5e-8, grad_norm within 1.1e-7 relative).
+        for k in sorted(set(want) - set(exact)):
+            np.testing.assert_allclose(row[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {k}")
+        if step:      # bounded shapes: everything was compiled by the warm-up before step 0 finished
+            assert row["compiles"] == 0, (step, row["compiles"])

@@ -122,14 +122,23 @@ class TrainerSection(Section):
 
     `remat`: "none" saves every residual (fastest, most memory), "layer" saves each layer's input and
     recomputes the layer in the backward, "dots" saves the projection matmuls only (`models.forward`).
-    `attention_impl`: "xla" or "pallas" (`kernels.attention`; interpret mode on the CPU, slow)."""
+    `attention_impl`: "xla" or "pallas" (`kernels.attention`; interpret mode on the CPU, slow).
+    `micro_batch_tokens`: each update runs the packed batch as micro-batches of exactly
+    micro_batch_tokens // pack_len rows (gradients summed, then one optimizer update), so one compiled
+    gradient step serves every batch and memory is bounded by the micro-batch; `algo.micro_batches` then
+    must stay 1. null: one fused step over the whole batch, rows bucketed (a compile per new row count).
+    `warmup`: compile every shape the run can use (rollout buckets, the update) before the first step."""
 
     remat: str = "none"                  # none, layer or dots (what the backward recomputes)
     attention_impl: str = "xla"          # xla or pallas
+    micro_batch_tokens: int | None = 2048    # fixed micro-batch (tokens): one compiled step for any batch; null = whole batch
+    warmup: bool = True                  # compile every rollout and update shape before the first step
 
     def __post_init__(self):
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if self.micro_batch_tokens is not None:
+            check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +252,10 @@ class TrainConfig(Section):
                                   f"(--profile-steps 3:5), got {list(ps)!r}")
         if self.rollout.n != 1:
             raise ConfigError("rollout.n", "set algo.group_size instead (samples per prompt)")
+        if self.trainer.micro_batch_tokens is not None and self.algo.micro_batches != 1:
+            raise ConfigError("algo.micro_batches", f"{self.algo.micro_batches} with trainer.micro_batch_tokens="
+                              f"{self.trainer.micro_batch_tokens}: the micro-batches already come from the token "
+                              "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "

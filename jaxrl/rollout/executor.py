@@ -55,7 +55,7 @@ def _signature(args) -> tuple:
 
 @dataclasses.dataclass
 class ExecutableCache:
-    """AOT-compiled executables by (name, static args, input signature); counts compilations.
+    """AOT-compiled executables by (name, function, static args, input signature); counts compilations.
 
     Least-recently-used entries beyond `maxsize` are dropped (and recompiled, counted, if needed again):
     every XLA:CPU executable holds a few memory mappings per device, and a process has a limited number
@@ -68,13 +68,13 @@ class ExecutableCache:
     _table: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
     @staticmethod
-    def key(name: str, args, **static) -> tuple:
-        return name, tuple(sorted(static.items())), _signature(args)
+    def key(name: str, args, fn=None, **static) -> tuple:
+        return name, fn, tuple(sorted(static.items())), _signature(args)
 
     def compile(self, name: str, fn, *args, **static):
-        """The executable for these inputs (arrays or ShapeDtypeStructs with shardings), compiled if new;
-        nothing runs."""
-        key = self.key(name, args, **static)
+        """The executable of `fn` for these inputs (arrays or ShapeDtypeStructs with shardings), compiled if
+        new; nothing runs. `name` labels it (two functions never share an entry)."""
+        key = self.key(name, args, fn, **static)
         exe = self._table.get(key)
         if exe is None:
             t = time.perf_counter()

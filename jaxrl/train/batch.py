@@ -31,6 +31,7 @@ class Sample:
 
 
 FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages", "weights")
+INT_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")     # int32; the others float32
 
 
 def row_bucket(n: int) -> int:
@@ -66,7 +67,7 @@ def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None =
     n_rows = len(rows) if n_rows is None else n_rows
     if n_rows < len(rows):
         raise ValueError(f"{len(samples)} sequences need {len(rows)} rows of {pack_len}, only {n_rows} given")
-    out = {k: np.zeros((n_rows, pack_len), np.float32 if k in ("advantages", "weights") else np.int32)
+    out = {k: np.zeros((n_rows, pack_len), np.int32 if k in INT_FIELDS else np.float32)
            for k in FIELDS}
     for r, members in enumerate(rows):
         off = 0

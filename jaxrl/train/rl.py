@@ -1,5 +1,6 @@
 """One RL step's data work, as plain functions the trainer calls in order:
-rollout (rewards scored as completions stream out) -> advantages -> packed global batch.
+rollout (rewards scored as completions stream out) -> advantages -> packed global batch, as fixed-shape
+micro-batches (`micro_batches`) or one bucketed batch (`global_batch`, when trainer.micro_batch_tokens is null).
 
 Seeds: the n samples of a prompt are seeded from (run seed, step, dataset row index), so a step's
 rollouts are the same whatever the number of processes, instances or TP size.
@@ -120,7 +121,7 @@ def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int]) -> l
     batch normalisation is over the process-local batch (a stated simplification for multi-process).
     """
     a, G = cfg.algo, cfg.algo.group_size
-    T = max(max(resp_lens), 1)
+    T = max(cfg.rollout.max_new_tokens, *resp_lens, 1)       # a fixed width: one compile of the estimator
     mask = (np.arange(T)[None, :] < np.asarray(resp_lens)[:, None]).astype(np.float32)
     if a.advantage == "reinforce_pp":
         adv = algos.compute_advantages("reinforce_pp", rewards=rewards, mask=mask, gamma=a.gamma)
@@ -169,3 +170,29 @@ def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, m
     sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
     shape = (rows * jax.process_count(), pack_len)
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}
+
+
+def micro_batch_rows(cfg: TrainConfig, mesh, pack_len: int) -> int:
+    """Global rows of one fixed-shape micro-batch: trainer.micro_batch_tokens // pack_len, rounded up to a
+    multiple of the data-parallel devices and of the processes (each contributes the same share)."""
+    data = mesh.shape["dp"] * mesh.shape["fsdp"]
+    unit = np.lcm(data, jax.process_count())
+    rows = max(1, cfg.trainer.micro_batch_tokens // pack_len)
+    return int(-(-rows // unit) * unit)
+
+
+def micro_batches(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int,
+                  rows: int, mini_batches: int = 1) -> list[dict]:
+    """Pack local samples and cut them into micro-batches of exactly `rows` global rows x `pack_len`
+    (every process contributes rows / process_count of each, its own; the last ones padded with
+    zero-weight rows). The count is agreed across processes and is a multiple of `mini_batches`. Weights
+    have the denominator folded in, as in `global_batch`: update with denominator 1.0."""
+    weights, _ = batch_weights(samples, cfg, max_new_tokens, fold=True)
+    local = rows // jax.process_count()
+    assignment = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
+    n = global_max(-(-len(assignment) // local))
+    n = -(-max(n, 1) // mini_batches) * mini_batches
+    packed = pack(samples, weights, pack_len, n_rows=n * local, rows=assignment)
+    sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
+    return [{k: jax.make_array_from_process_local_data(sharding, v[i * local:(i + 1) * local], (rows, pack_len))
+             for k, v in packed.items()} for i in range(n)]

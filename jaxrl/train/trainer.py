@@ -3,9 +3,12 @@
     setup:   tokenizer -> data shard -> reward pool (every reward name resolved, here and in a worker)
              -> model + train mesh (fsdp x tp over all devices) -> optimizer -> rollout instances on
              this process's devices -> checkpoints/metrics (resume if any)
+    warm-up: every rollout step shape (the instances' bounded buckets) and the update's executables
+             over its fixed micro-batch shape are compiled, so the RL steps compile nothing
     warm start (optional): supervised steps on the built-in tasks' demonstrations (skipped for other data)
     each RL step: prompts -> rollout -> rewards -> advantages -> packed global batch
-             -> [reference / old log-probs] -> update(s) -> weights resharded into the rollout instances
+             -> fixed-shape micro-batches -> [reference / old log-probs] -> update(s) -> weights
+             resharded into the rollout instances
     end:     checkpoint, HF export (weights, tokenizer, generation config), curves.png
 
 A run that fails before its first RL step completes leaves nothing a later run would resume from: its
@@ -25,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxrl.config import to_yaml
@@ -36,7 +40,7 @@ from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
 from . import rl
-from .batch import Sample
+from .batch import FIELDS, INT_FIELDS, Sample
 from .checkpoint import CheckpointManager
 from .curves import plot_run
 from .distributed import global_sum
@@ -44,6 +48,7 @@ from .metrics import MetricsLogger, Profiler
 from .optim import init_state
 from .preflight import ResumePlan, StartupError, check_tokenizer, plan_resume, write_config
 from .step import make_logprob_fn, make_train_step
+from .update import Updater
 
 log = logging.getLogger("jaxrl.train")
 
@@ -86,10 +91,15 @@ class Trainer:
         self.spec = a.build(temperature=temperature, trainer=cfg.trainer)
         # Fused grad_step scan + apply_update; rl.global_batch folds the denominator into the weights,
         # so every update passes denominator 1.0 (bitwise the pre-split update).
-        self.train_step = make_train_step(self.model_cfg, self.spec, self.tx, a.micro_batches)
-        self.logprob_fn = make_logprob_fn(self.model_cfg, self.spec)
         e = cfg.engine
         self.pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
+        if cfg.trainer.micro_batch_tokens:      # fixed-shape micro-batches: one compiled gradient step
+            self.updater = Updater(self.model_cfg, self.spec, self.tx)
+            self.mb_rows = rl.micro_batch_rows(cfg, self.mesh, self.pack_len)
+        else:
+            self.updater = None
+            self.train_step = make_train_step(self.model_cfg, self.spec, self.tx, a.micro_batches)
+            self.logprob_fn = make_logprob_fn(self.model_cfg, self.spec)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices())
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
@@ -168,8 +178,9 @@ class Trainer:
             return
         tx, _ = w.optim.build(w.steps)
         opt = init_state(tx, self.params, self.shardings, self.mesh)
-        step_fn = make_train_step(self.model_cfg, self.cfg.algo.build(temperature=1.0, trainer=self.cfg.trainer,
-                                                                      kind="sft"), tx, 1)
+        sft = self.cfg.algo.build(temperature=1.0, trainer=self.cfg.trainer, kind="sft")
+        updater = Updater(self.model_cfg, sft, tx) if self.updater else None
+        step_fn = None if updater else make_train_step(self.model_cfg, sft, tx, 1)
         if w.batch_size % jax.process_count():
             raise SystemExit(f"warm_start.batch_size={w.batch_size} must divide over {jax.process_count()} processes")
         loader = DataLoader(self.dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
@@ -180,8 +191,13 @@ class Trainer:
         for i in bar:
             pairs = encode_demonstrations(next(loader), self.tokenizer, self.cfg.data.chat)
             samples = [Sample(p, r, 0.0) for p, r in pairs]
-            batch = rl.global_batch(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens)
-            self.params, opt, m = step_fn(self.params, opt, batch, 1.0)   # weights carry the denominator
+            if updater:
+                mbs = rl.micro_batches(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens,
+                                       self.mb_rows)
+                self.params, opt, m = updater.update(self.params, opt, mbs)
+            else:
+                batch = rl.global_batch(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens)
+                self.params, opt, m = step_fn(self.params, opt, batch, 1.0)   # weights carry the denominator
             if i % 10 == 0 or i == w.steps - 1:
                 nll = float(m["nll"])
                 bar.set_postfix(nll=f"{nll:.3f}")
@@ -202,6 +218,36 @@ class Trainer:
         lens = [len(c.tokens) for c in comps]
         adv = rl.advantages(cfg, rewards, lens)
         samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
+        if self.updater:
+            m = self._update(samples)
+        else:
+            m = self._update_fused(samples)
+        t3 = time.perf_counter()
+        self.svc.update_weights(self.params)
+        t4 = time.perf_counter()
+        if int(m["skipped"]):
+            log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
+        return self._metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
+                                                             sync_s=t4 - t3, step_seconds=t4 - t0))
+
+    def _update(self, samples) -> dict:
+        """Fixed-shape micro-batches: [reference / old log-probs per micro-batch], then `mini_batches`
+        updates over consecutive groups of them."""
+        cfg, mini = self.cfg, self.cfg.algo.mini_batches
+        mbs = rl.micro_batches(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens, self.mb_rows, mini)
+        for mb in mbs:
+            if self.spec.kl_coef:
+                mb["ref_logp"] = self.updater.logprobs(self.ref_params, mb)
+            if mini > 1:
+                mb["old_logp"] = self.updater.logprobs(self.params, mb)
+        per = len(mbs) // mini
+        for k in range(mini):
+            self.params, self.opt_state, m = self.updater.update(self.params, self.opt_state, mbs[k * per:(k + 1) * per])
+        return jax.device_get(m)
+
+    def _update_fused(self, samples) -> dict:
+        """trainer.micro_batch_tokens=null: one bucketed batch, one fused step per mini-batch."""
+        cfg = self.cfg
         batch = rl.global_batch(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens)
         if self.spec.kl_coef:
             batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)
@@ -214,14 +260,29 @@ class Trainer:
         for k in range(mb):
             part = {n: v[k * rows_per:(k + 1) * rows_per] for n, v in batch.items() if v is not None}
             self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, part, 1.0)
-        m = jax.device_get(m)
-        t3 = time.perf_counter()
+        return jax.device_get(m)
+
+    # -------------------------------------------------------------------------------------- warm-up
+    def warm_up(self):
+        """Compile every executable the RL steps will run: the rollout instances' bounded step shapes and
+        the update over the fixed micro-batch shape (grad, apply, log-probs), and the weight sync."""
+        if not self.cfg.trainer.warmup:
+            return
+        t0 = time.perf_counter()
+        r = self.cfg.rollout
+        n = self.svc.warm([r.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids)])
+        if self.updater:
+            sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
+            keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * (self.cfg.algo.mini_batches > 1)
+            mb = {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len),
+                                          jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=sharding)
+                  for k in keys}
+            n += self.updater.warm(self.params, self.opt_state, mb,
+                                   logp_params=[self.ref_params] if self.ref_params is not None else [])
         self.svc.update_weights(self.params)
-        t4 = time.perf_counter()
-        if int(m["skipped"]):
-            log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
-        return self._metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
-                                                             sync_s=t4 - t3, step_seconds=t4 - t0))
+        if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
+            print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
 
     def _metrics(self, rewards, lens, rstats, m, times) -> dict:
         from jax.experimental import multihost_utils
@@ -260,13 +321,14 @@ class Trainer:
                 self.ref_params = jax.tree.map(jnp.copy, self.params)
             if not self.resumed and self.step == 0:
                 self._save()
+            self.warm_up()
             self.first_step = self.step
             bar = tqdm(total=cfg.steps, initial=self.step, desc="rl", disable=not self.is_main)
             while self.step < cfg.steps:
                 self.profiler.maybe_start(self.step)
                 m = self.rl_step()
                 self.profiler.maybe_stop(self.step)
-                late = self.compiles.names() if self.step >= self.first_step + 2 else []
+                late = self.compiles.names() if self.step > self.first_step else []
                 m.update(self.compiles.take())   # this step's compilations (warm start's count in step 0's)
                 if late:
                     log.info("step %d compiled %d executable(s) after warm-up (%.1f s): %s", self.step, len(late),

@@ -1,0 +1,81 @@
+"""The RL update over fixed-shape micro-batches: one compiled gradient step whatever the batch.
+
+A packed batch's row count changes every step (long-tailed response lengths pack into more or fewer
+rows), and a fused train step compiled per row count recompiled for every new count. Here the batch is
+cut into micro-batches of exactly `rows` x `pack_len` tokens (`rl.micro_batches`; the last one padded
+with zero-weight rows), and an update is
+
+    acc = grad_step(params, mb_0); acc = grad_step(params, mb_k, acc) ...;  apply_update(params, opt, acc)
+
+(`step.make_grad_step` / `make_apply_update`: the fused step's scan body and update code, so the result is
+the fused step's over the same micro-batches). Reference and old-policy log-probs run per micro-batch
+too. The executables come from an explicit `ExecutableCache` (ahead-of-time compiled by input signature),
+and `warm()` compiles all of them before the first step — grad with and without an accumulator, the
+update, the log-prob pass — feeding each one's output shardings to the next until they repeat, so
+a run compiles nothing after it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxrl.rollout.executor import ExecutableCache
+
+from .batch import FIELDS
+from .step import make_apply_update, make_grad_step, make_logprob_fn
+
+CACHE = ExecutableCache(maxsize=64)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _out_abstract(exe):
+    """ShapeDtypeStructs of a compiled executable's outputs (with their shardings)."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        exe.out_info, exe.output_shardings)
+
+
+class Updater:
+    """grad / apply / log-prob executables for one model, loss and optimizer, over fixed micro-batches."""
+
+    def __init__(self, cfg, spec, tx, *, cache: ExecutableCache = CACHE):
+        self.grad = make_grad_step(cfg, spec)
+        self.apply = make_apply_update(tx)
+        self.logp = make_logprob_fn(cfg, spec)
+        self.cache = cache
+
+    def logprobs(self, params, mb):
+        """Per-token log-probs [rows, L] of one micro-batch (its packed fields only)."""
+        return self.cache("logp", self.logp, params, {k: mb[k] for k in FIELDS})
+
+    def update(self, params, opt_state, mbs: list[dict], denominator: float = 1.0):
+        """One optimizer update from the summed gradients of `mbs` (params and opt_state are donated)."""
+        acc = None
+        for mb in mbs:
+            acc = self.cache("grad", self.grad, params, mb) if acc is None else \
+                self.cache("grad", self.grad, params, mb, acc)
+        grads, stats = acc
+        return self.cache("apply", self.apply, params, opt_state, grads, float(denominator), stats)
+
+    def warm(self, params, opt_state, mb: dict, logp_params=()) -> int:
+        """Compile every executable `update`/`logprobs` will run on micro-batches shaped like `mb` (arrays or
+        ShapeDtypeStructs with shardings), following output shardings until the inputs repeat, and the
+        log-prob pass for each of `logp_params` too. Nothing runs and nothing is donated. Returns the number
+        of new compilations."""
+        before = self.cache.compiles
+        p, o, mb = _abstract(params), _abstract(opt_state), _abstract(mb)
+        for extra in logp_params:          # e.g. the reference policy's weights
+            self.cache.compile("logp", self.logp, _abstract(extra), {k: mb[k] for k in FIELDS})
+        for _ in range(3):
+            self.cache.compile("logp", self.logp, p, {k: mb[k] for k in FIELDS})
+            acc = _out_abstract(self.cache.compile("grad", self.grad, p, mb))
+            acc2 = _out_abstract(self.cache.compile("grad", self.grad, p, mb, acc))
+            self.cache.compile("grad", self.grad, p, mb, acc2)
+            new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc2[0], 1.0, acc2[1]))
+            if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
+                break
+            p, o = new_p, new_o
+        return self.cache.compiles - before
+
