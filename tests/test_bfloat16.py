@@ -58,7 +58,7 @@ def test_train_step_bf16(params_bf16):
 
 
 def test_train_cli_bf16(tmp_path):
-    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "model.dtype=bfloat16", "steps=1",
+    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "model.dtype=bfloat16", "steps=1", "trainer.warmup=false",
            "warm_start.steps=2", "warm_start.batch_size=8", "algo.prompts_per_step=4", "algo.group_size=2",
            "rollout.max_new_tokens=8", "data.num_examples=50", "rewards.num_workers=0", "engine.max_batch=16",
            "engine.max_seq_len=128", "data.max_prompt_len=96", "export_hf=false", "save_every=null"]

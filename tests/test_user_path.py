@@ -20,7 +20,8 @@ from .hf_util import write_bpe_tokenizer, write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["algo.prompts_per_step=4", "algo.group_size=2", "rollout.max_new_tokens=8", "engine.max_batch=16",
-         "engine.max_seq_len=128", "data.max_prompt_len=96", "rewards.num_workers=1", "save_every=1"]
+         "engine.max_seq_len=128", "data.max_prompt_len=96", "rewards.num_workers=1", "save_every=1",
+         "trainer.warmup=false"]   # short runs: compiling every bucket up front would dominate them
 
 REWARDS = '''
 def quarter(response, answer, task):
