@@ -7,7 +7,11 @@ attention and a positive offset is chunked or prefix-shared prefill (and MetroRL
 history, whose gradient must reach the cached keys and values).
 
 Two implementations:
-  "xla"    `attention_reference`, plain jnp with float32 scores. The default, and the CPU runtime path.
+  "xla"    plain jnp with float32 scores, the default and the CPU runtime path: `attention_chunked`, which
+           runs the queries in chunks of `BlockSizes.block_q_xla` rows and gives each chunk only the key
+           range its causal/window bounds can reach (static slices when `q_offset` is a Python int), so
+           the fully masked part of the score matrix is never computed; its numbers are
+           `attention_reference`'s (the oracle: every key of every row, masked), up to float rounding.
   "pallas" A flash-attention kernel (FlashAttention-2 online softmax over key blocks, one program per
            (query block, batch, query head)). Backward: two Pallas kernels, in `kernels/attention_bwd.py`,
            recomputing probabilities from the saved per-query logsumexp (never the [T, S] matrix); dK/dV
@@ -65,7 +69,8 @@ def cpu_upcast(*xs):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two, >= 16 for Triton's dot) for the forward and the two backward kernels.
+    """Tile sizes (powers of two, >= 16 for Triton's dot) for the forward and the two backward kernels, and
+    the query chunk of the "xla" implementation.
 
     A tile longer than the (power-of-two rounded) sequence is shrunk to it, so short decode-like calls
     do not pad T up to a full block.
@@ -77,6 +82,7 @@ class BlockSizes:
     block_k_dkv: int = 64
     block_q_dq: int = 64
     block_k_dq: int = 64
+    block_q_xla: int = 128   # query rows per chunk of the "xla" implementation (`attention_chunked`)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -163,6 +169,47 @@ def attention_reference(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, wi
     p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1)[:, None, None, :, None]
     o = jnp.einsum("bkgts,bskd->btkgd", *cpu_upcast(p.astype(v.dtype), v), preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, D).astype(q.dtype)
+
+
+def attention_chunked(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, window=None,
+                      q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
+                      block_q: int = 128) -> jax.Array:
+    """`attention_reference` computed `block_q` query rows at a time, each chunk over only the keys it can see.
+
+    With a static `q_offset` (a Python int), the chunk of queries [t0, t1) sits at positions
+    q_offset + [t0, t1): causal attention reaches keys < q_offset + t1, a window W keys >= q_offset + t0 - W + 1.
+    The chunk's keys (and key segment ids) are sliced to that range and the reference runs on the slice
+    with its offset and kv_lengths shifted by the slice start, so every visible key is included and no
+    fully masked column block is computed: for causal training rows of length S, about (S/block_q + 1) /
+    (2 S/block_q) of the square (0.56 at S = 1024, block_q = 128). Measured at the 58M shape, 8 x 1024
+    tokens, decoder stack forward+backward: 21.0 s (full square) -> 12.7 s (README "Throughput").
+    Autodiff through the slices gives dK/dV for every key, history included. A per-row (array) q_offset
+    has no static bound: the whole key range is used (the reference, chunked by queries only).
+    """
+    T, S = q.shape[1], k.shape[1]
+    if T <= block_q:
+        return attention_reference(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, causal=causal,
+                                   window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                   scale=scale)
+    static = isinstance(q_offset, int)
+    outs = []
+    for t0 in range(0, T, block_q):
+        t1 = min(T, t0 + block_q)
+        lo, hi = 0, S
+        if static and causal:
+            hi = max(0, min(S, q_offset + t1))
+        if static and window is not None:
+            lo = min(S, max(0, q_offset + t0 - window + 1))
+        if hi <= lo:     # no key visible to any query of the chunk: zeros, as the reference gives
+            outs.append(jnp.zeros((q.shape[0], t1 - t0, *q.shape[2:]), q.dtype))
+            continue
+        off = q_offset - lo + t0 if static else jnp.asarray(q_offset, jnp.int32) + t0
+        outs.append(attention_reference(
+            q[:, t0:t1], k[:, lo:hi], v[:, lo:hi], q_offset=off, causal=causal, window=window,
+            kv_lengths=None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32) - lo,
+            q_segment_ids=None if q_segment_ids is None else q_segment_ids[:, t0:t1],
+            kv_segment_ids=None if kv_segment_ids is None else kv_segment_ids[:, lo:hi], scale=scale))
+    return jnp.concatenate(outs, axis=1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,16 +376,17 @@ def attention(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, window=None,
     """Attention of q [B, T, H, D] over k, v [B, S, K, D]; returns [B, T, H, D] in q's dtype.
 
     q_offset: int or int [B], position of query 0 inside the keys. kv_lengths: int [B] or None.
-    implementation: "xla" (reference, default) or "pallas" (flash kernel with a custom VJP; dK/dV cover
-    all keys). interpret: run the Pallas kernel in interpret mode; None means "when the default backend
-    is the CPU". block_sizes: Pallas tile sizes (default `BlockSizes()`).
+    implementation: "xla" (default: `attention_chunked`, the reference's math over query chunks that skip
+    fully masked keys) or "pallas" (flash kernel with a custom VJP; dK/dV cover all keys). interpret: run
+    the Pallas kernel in interpret mode; None means "when the default backend is the CPU". block_sizes:
+    tile sizes (default `BlockSizes()`; "xla" reads `block_q_xla`).
     """
     _check_shapes(q, k, v)
     _check_args(q, k, q_offset, kv_lengths, window, q_segment_ids, kv_segment_ids, implementation, block_sizes)
     kwargs = dict(q_offset=q_offset, kv_lengths=kv_lengths, causal=causal, window=window,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
     if implementation == "xla":
-        return attention_reference(q, k, v, **kwargs)
+        return attention_chunked(q, k, v, **kwargs, block_q=(block_sizes or BlockSizes()).block_q_xla)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"pallas attention wants one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
