@@ -120,8 +120,12 @@ class OptimSection(Section):
 class TrainerSection(Section):
     """Train-forward options (the gradient step; log-prob passes use `attention_impl` only).
 
-    `remat`: "none" saves every residual (fastest, most memory), "layer" saves each layer's input and
-    recomputes the layer in the backward, "dots" saves the projection matmuls only (`models.forward`).
+    `remat`: "dots" (default) saves the projection matmuls only and recomputes the rest (norms, RoPE,
+    attention, activations) in the backward, "none" saves every residual (most memory), "layer" saves
+    each layer's input and recomputes the layer (`models.forward`). On the CPU "dots" is also the
+    fastest: the 58M step (32 x 82 tokens) took 4.58 s with dots and 5.04 s with none, with 0.84 vs
+    1.88 GiB of temp memory; storing the per-layer residuals through the layer scan costs more than
+    recomputing them (README "Throughput").
     `attention_impl`: "xla" or "pallas" (`kernels.attention`; interpret mode on the CPU, slow).
     `micro_batch_tokens`: each update runs the packed batch as micro-batches of exactly
     micro_batch_tokens // pack_len rows (gradients summed, then one optimizer update), so one compiled
@@ -129,7 +133,7 @@ class TrainerSection(Section):
     must stay 1. null: one fused step over the whole batch, rows bucketed (a compile per new row count).
     `warmup`: compile every shape the run can use (rollout buckets, the update) before the first step."""
 
-    remat: str = "none"                  # none, layer or dots (what the backward recomputes)
+    remat: str = "dots"                  # dots, none or layer (what the backward recomputes)
     attention_impl: str = "xla"          # xla or pallas
     micro_batch_tokens: int | None = 2048    # fixed micro-batch (tokens): one compiled step for any batch; null = whole batch
     warmup: bool = True                  # compile every rollout and update shape before the first step
