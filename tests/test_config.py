@@ -289,9 +289,9 @@ def test_train_config_choices_come_from_the_algos_registries():
 def test_trainer_section_validates_forward_options():
     from jaxrl.config import train
 
-    assert train.TrainConfig().trainer == train.TrainerSection(remat="none", attention_impl="xla")
-    cfg = load_config(train.TrainConfig, ["trainer.remat=dots", "trainer.attention_impl=pallas"])
-    assert cfg.trainer == train.TrainerSection(remat="dots", attention_impl="pallas")
+    assert train.TrainConfig().trainer == train.TrainerSection(remat="dots", attention_impl="xla")
+    cfg = load_config(train.TrainConfig, ["trainer.remat=layer", "trainer.attention_impl=pallas"])
+    assert cfg.trainer == train.TrainerSection(remat="layer", attention_impl="pallas")
     err = config_error(train.TrainerSection, "full")
     assert "remat" in str(err) and "none, layer, dots" in str(err)
     err = config_error(lambda: train.TrainerSection(attention_impl="cudnn"))
