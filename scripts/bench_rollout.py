@@ -10,7 +10,8 @@ generates exactly `--new-tokens` greedy tokens (HF: `min_new_tokens`, no EOS) fo
 `--prompt-len` tokens; throughput = batch * new_tokens / wall time, prefill included for both. Both are
 warmed up once on the same shapes; our compile time (first run minus steady run) is reported apart.
 The timed runs alternate ours / theirs and the best of `--repeats` is kept for each.
-Our engine gets a fixed page pool sized to fit the batch. torch uses one thread per core; XLA's CPU
+Our engine gets a fixed page pool sized to fit the batch and `max_seq_len` = prompt + new tokens (what
+`engine.max_seq_len` is for: it bounds the page-table widths the decode step gathers). torch uses one thread per core; XLA's CPU
 backend uses its own pool over all cores.
 
 On the CPU only the *ratio* measured in one run means anything (ARCHITECTURE.md, "Testing and
@@ -58,6 +59,7 @@ def run_ours(cfg, weights, prompts, new_tokens: int, page_size: int, devices=Non
     from jaxrl.rollout import RolloutService, SamplingParams
 
     svc = RolloutService(cfg, weights, devices=devices, page_size=page_size, max_batch=len(prompts),
+                         max_seq_len=len(prompts[0]) + new_tokens,
                          num_pages=_pages(len(prompts), len(prompts[0]), new_tokens, page_size))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     for p in prompts:

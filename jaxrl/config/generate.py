@@ -69,7 +69,7 @@ class EngineSection(Section):
     prefill_tokens: int = 8192    # prompt tokens per prefill call (admitted prompts prefill together)
     overlap: bool = True          # dispatch decode step n+1 before reading step n
     batch_buckets_per_octave: int = 2   # decode batch buckets per doubling (more: less padding, more compiles)
-    page_buckets: int = 2         # decode/prefill page-table widths: max_pages / 2^i, i < this
+    page_buckets: int = 4         # decode/prefill page-table widths: max_pages / 2^i, i < this (>= 4 pages)
 
     def __post_init__(self):
         check_choice("attention_impl", self.attention_impl, ("xla", "pallas"))

@@ -57,7 +57,7 @@ class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
                  max_batch: int = 64, max_seq_len: int | None = None, prefill_chunk: int = 256,
                  prefill_tokens: int = 8192, kv_dtype=None, prefix_sharing: bool = True, attention_impl: str = "xla",
-                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 2):
+                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 4):
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.layout = Layout(tp=mesh.shape["tp"])
         self.shapes = ShapeBuckets.build(max_batch=max_batch, max_seq_len=max_seq_len or (num_pages - 1) * page_size,

@@ -71,7 +71,7 @@ class RolloutService:
                  kv_memory_fraction: float | None = None, prefill_chunk: int = 256, prefill_tokens: int = 8192,
                  kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
                  attention_impl: str = "xla", overlap: bool = True, batch_buckets_per_octave: int = 2,
-                 page_buckets: int = 2):
+                 page_buckets: int = 4):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:

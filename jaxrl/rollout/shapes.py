@@ -7,9 +7,12 @@ member, `Executor.warm_all` compiles each member once at start, and a long-taile
 afterwards (tests/test_bounded_shapes.py).
 
   decode   (rows, pages)         rows from `batch` (powers of two below 8, then `per_octave` steps per
-                                 octave up to max_batch); pages from `pages` (`page_buckets` widths,
-                                 max_pages/2^i). The XLA decode path gathers every page slot of every row,
-                                 so a narrower table is faster while sequences are short.
+                                 octave up to max_batch); pages from `pages` (up to `page_buckets` widths
+                                 max_pages/2^i, none below MIN_PAGES). The XLA decode path gathers every
+                                 page slot of every row, so a narrower table is faster while sequences
+                                 are short: a service left at max_seq_len 1024 (64 pages) that decodes
+                                 12-page sequences ran 432 / 440 tok/s at batch 16 / 64 with widths
+                                 {64, 32} and 590 / 696 with {64, 32, 16, 8} (scripts/bench_rollout.py).
   prefill  (rows, width, pages)  widths chunk/4^i (>= 16), rows powers of four up to what the token budget
                                  allows, pages from the same ladder (>= the chunk's own pages).
   copies   (n,)                  copy-on-write page copies padded to powers of two.
@@ -62,11 +65,14 @@ class ShapeBuckets:
     prefill_tokens: int                # rows * width of one prefill call at most
     page_size: int
 
+    MIN_PAGES = 4                      # narrower tables save little and cost executables
+
     @classmethod
     def build(cls, *, max_batch: int, max_seq_len: int, page_size: int, prefill_chunk: int = 256,
-              prefill_tokens: int = 8192, per_octave: int = 2, page_buckets: int = 2) -> "ShapeBuckets":
+              prefill_tokens: int = 8192, per_octave: int = 2, page_buckets: int = 4) -> "ShapeBuckets":
         max_pages = -(-max_seq_len // page_size)
-        pages = {max_pages} if max_pages <= 8 else {-(-max_pages // 2 ** i) for i in range(page_buckets)}
+        pages = {max_pages} if max_pages <= 8 else \
+            {max_pages} | {w for i in range(1, page_buckets) if (w := -(-max_pages // 2 ** i)) >= cls.MIN_PAGES}
         top = min(prefill_chunk, 1 << max(0, (max_seq_len - 2).bit_length()))   # no chunk exceeds len - 1
         widths = {top} | {top >> (2 * i) for i in range(1, 8) if top >> (2 * i) >= 16}
         rows = {4 ** i for i in range(12) if 4 ** i < max_batch} | {max_batch}
