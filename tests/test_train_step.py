@@ -215,9 +215,13 @@ def _assert_trees_equal(a, b):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize("fused_loss", [True, False])
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_fused_step_bitwise_equals_grad_step_sum_apply_update_and_the_pre_split_step(params, kind):
-    spec, tx, mb = SPECS[kind], _tx(), 2
+def test_fused_step_bitwise_equals_grad_step_sum_apply_update_and_the_pre_split_step(params, kind, fused_loss):
+    """grad_step + apply_update == the fused step, bitwise, with either loss path; with the unfused path
+    (`token_logprobs` + autodiff, what the pre-split step ran) also bitwise the pre-split step. The fused
+    loss path has its own twin test (test_fused_loss_equals_chunked_logprobs_autodiff_on_a_sharded_mesh)."""
+    spec, tx, mb = dataclasses.replace(SPECS[kind], fused_loss=fused_loss), _tx(), 2
     batch, denom = _rl_batch(params)
     assert denom == 1.0
     opt = tx.init(params)
@@ -238,7 +242,9 @@ def test_fused_step_bitwise_equals_grad_step_sum_apply_update_and_the_pre_split_
     _assert_trees_equal(fused_p, split_p)
     _assert_trees_equal(fused_o, split_o)
     assert float(fused_m["loss"]) == float(split_m["loss"]) and int(split_m["skipped"]) == 0
-
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_p)))
+    if fused_loss:
+        return
     ref_p, ref_o, ref_m = _reference_train_step(CFG, spec, tx, mb)(_copy(params), _copy(opt), batch)
     _assert_trees_equal(fused_p, ref_p)
     _assert_trees_equal(fused_o, ref_o)
@@ -323,3 +329,25 @@ def test_loss_spec_passes_forward_options(params):
         LossSpec(remat="full")
     with pytest.raises(ValueError, match="kl_estimator"):
         LossSpec(kl_estimator="k9")
+
+
+@pytest.mark.parametrize("kind", ["rl", "sft"])
+def test_fused_loss_equals_chunked_logprobs_autodiff_on_a_sharded_mesh(params, kind):
+    """The default loss (gradient formed with each token chunk's logits, `kernels.logprob_loss`) against its
+    unoptimised twin (`token_logprobs` + autodiff, which recomputes the logits in the backward): the same
+    gradient sums and stats within float32 rounding, on an FSDP x TP train mesh (rows and vocabulary
+    sharded), with the clip, dual clip, KL and entropy terms live."""
+    batch, _ = _rl_batch(params)
+    spec = RL_SPEC if kind == "rl" else LossSpec(kind="sft", kl_coef=0.1, entropy_coef=0.01)
+    layout = Layout(fsdp=4, tp=2)
+    mesh = layout.make_mesh(jax.devices())
+    p = jax.device_put(params, shardings_for(logical_axes(CFG), mesh, ShardingRules.train(CFG, layout)))
+    b = jax.device_put(batch, NamedSharding(mesh, P(("fsdp",))))
+    got_g, got_s = make_grad_step(CFG, dataclasses.replace(spec, fused_loss=True))(p, b)
+    want_g, want_s = make_grad_step(CFG, dataclasses.replace(spec, fused_loss=False))(p, b)
+    for got, want in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        scale = max(float(np.max(np.abs(np.asarray(want)))), 1.0)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=ATOL_F32, atol=ATOL_F32 * scale)
+    for key in want_s:
+        assert float(got_s[key]) == pytest.approx(float(want_s[key]), rel=1e-5, abs=ATOL_F32), key
+    assert float(want_s["clipped"]) > 0 or kind == "sft"

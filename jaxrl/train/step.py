@@ -27,10 +27,13 @@ grad_step per micro-batch + sum + apply_update.
 The loss composes the `jaxrl.algos` registry: the clipped policy term (`algos.ppo_clip_token_loss`),
 a KL term to the reference policy (`algos.kl_penalty` with the configured estimator), an entropy
 bonus, and the aggregation through the registry's weights. Kind "sft" is the negative
-log-likelihood (the supervised warm start). Log-probs come from the model's final hidden states
-through `kernels.logprobs.token_logprobs` (chunked vocabulary projection with a custom VJP), so no
-[tokens, vocab] logits are materialised. `LossSpec.remat` / `attention_impl` are passed to the train
-forward (`models.forward`).
+log-likelihood (the supervised warm start). The loss's sum and its gradient w.r.t. the final hidden
+states and the output projection come from `kernels.logprob_loss.token_loss_sum` (token chunks, each with
+its full-vocabulary logits, the per-token loss derivatives and both projection gradients in one pass;
+`LossSpec.fused_loss`, default on); with `fused_loss=False`, and for the log-prob passes without a
+gradient, log-probs come from `kernels.logprobs.token_logprobs` (vocabulary chunks, custom VJP). Neither
+materialises [tokens, vocab] logits beyond one chunk. `LossSpec.remat` / `attention_impl` are passed to
+the train forward (`models.forward`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl import algos
+from kernels.logprob_loss import token_loss_sum
 from kernels.logprobs import token_logprobs
 from models import ModelConfig, forward, lm_head
 from models.forward import ATTENTION_IMPLS, REMAT_POLICIES
@@ -66,6 +70,7 @@ class LossSpec:
     temperature: float = 1.0
     remat: str = "none"              # models.forward.REMAT_POLICIES
     attention_impl: str = "xla"      # models.forward.ATTENTION_IMPLS
+    fused_loss: bool = True          # kernels.logprob_loss (gradient formed with the logits) vs token_logprobs + autodiff
 
     def __post_init__(self):
         for name, choices in (("kind", LOSS_KINDS), ("kl_estimator", tuple(algos.KL_ESTIMATORS)),
@@ -112,12 +117,44 @@ def token_loss(logp, ent, mb, spec: LossSpec):
     return tok, {"kl": kl, "clipped": clipped}
 
 
+def _loss_aux(mb, spec: LossSpec) -> dict:
+    """The per-token constants `token_loss` reads, plus the weights and the mask (float32)."""
+    keys = ["advantages"] if spec.kind == "rl" else []
+    keys += ["old_logp"] if spec.kind == "rl" and "old_logp" in mb else []
+    keys += ["ref_logp"] if spec.kl_coef else []
+    aux = {k: mb[k] for k in keys}
+    aux.update(weights=mb["weights"], loss_mask=mb["loss_mask"].astype(jnp.float32))
+    return aux
+
+
+def _weighted_token_loss(logp, ent, aux, *, spec: LossSpec):
+    """w · ℓ · mask per token: what the loss sums (elementwise over tokens, as `token_loss_sum` needs)."""
+    return aux["weights"] * token_loss(logp, ent, aux, spec)[0] * aux["loss_mask"]
+
+
 def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
-    """(Σ weights · ℓ · mask, stats sums) of one micro-batch; the weights carry the aggregation."""
-    logp, ent = token_logp(params, cfg, mb, spec.temperature, remat=spec.remat, attention_impl=spec.attention_impl)
-    mask, w = mb["loss_mask"].astype(jnp.float32), mb["weights"]
-    tok, parts = token_loss(logp, ent, mb, spec)
-    loss = jnp.sum(w * tok * mask)
+    """(Σ weights · ℓ · mask, stats sums) of one micro-batch; the weights carry the aggregation.
+
+    `spec.fused_loss`: the sum and its gradient come from `kernels.logprob_loss.token_loss_sum` (each
+    token chunk's full-vocabulary softmax, loss derivatives and projection gradients in one pass: 6·E·V·T
+    lm_head FLOPs); otherwise log-probs come from `token_logprobs` and autodiff differentiates the sum
+    (8·E·V·T: its backward recomputes the logits). The two agree within float32 rounding
+    (tests/test_train_step.py). The stats are computed from the same log-probs either way."""
+    if spec.fused_loss:
+        h = forward(params, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
+                    return_hidden=True, attention_impl=spec.attention_impl, remat=spec.remat)
+        aux = _loss_aux(mb, spec)
+        loss, logp, ent = token_loss_sum(h, lm_head(params), mb["targets"], aux,
+                                         functools.partial(_weighted_token_loss, spec=spec),
+                                         temperature=spec.temperature, valid_vocab=cfg.vocab_size)
+        mask = aux["loss_mask"]
+        _, parts = token_loss(logp, ent, mb, spec)
+    else:
+        logp, ent = token_logp(params, cfg, mb, spec.temperature, remat=spec.remat,
+                               attention_impl=spec.attention_impl)
+        mask, w = mb["loss_mask"].astype(jnp.float32), mb["weights"]
+        tok, parts = token_loss(logp, ent, mb, spec)
+        loss = jnp.sum(w * tok * mask)
     sums = {"loss": loss, "tokens": jnp.sum(mask), "entropy": jnp.sum(ent * mask),
             "kl": jnp.sum(parts["kl"] * mask), "clipped": jnp.sum(parts["clipped"] * mask),
             "nll": -jnp.sum(logp * mask)}
