@@ -13,6 +13,8 @@ shared pool (one layer's K and V) and are located through a page table:
   page_table  [B, max_pages] int32           page ids of each sequence, in order; entries past the
                                              sequence's last page may be any valid id (e.g. 0)
   lengths     [B] int32                      valid keys per sequence, 0 <= lengths <= max_pages * page_size
+  window      int or None (static)           sliding window W: only keys j >= lengths - W are visible (the
+                                             query sits at position lengths - 1; HF semantics q - j < W)
 
 Key j of sequence b, kv head k, is `k_pages[page_table[b, j // page_size], k, j % page_size]`; keys j >= lengths[b]
 are masked (they may hold any finite values: stale entries, other sequences' data). The fast paths
@@ -42,7 +44,8 @@ Implementations (`implementation=`):
   `paged_decode_attention_reference` is the plain-jnp oracle (float32 throughout, repeated kv heads).
 
 Dropped on purpose: no VJP (decode only; training uses `kernels.attention`), no logit soft-capping,
-no quantised (scaled int8/fp8) pages, no sliding window.
+no quantised (scaled int8/fp8) pages. With a window, the Pallas kernel skips the compute blocks wholly
+before it; the XLA path masks (its gather covers the table's width either way).
 """
 
 from __future__ import annotations
@@ -135,7 +138,16 @@ def _scale(scale, D):
 
 # ----------------------------------------------------------------------------------------- reference
 
-def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *, scale=None):
+def _visible(S: int, lengths, window):
+    """[B, 1, S] mask of the keys each sequence's decode query sees."""
+    j = jnp.arange(S)[None, :]
+    valid = j < lengths[:, None]
+    if window is not None:
+        valid &= j >= lengths[:, None] - window
+    return valid[:, None, :]
+
+
+def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *, scale=None, window=None):
     """Oracle: gather each sequence's keys, repeat kv heads to H, float32 softmax partials."""
     _check_inputs(q, k_pages, v_pages, page_table, lengths)
     B, H, D = q.shape
@@ -145,7 +157,7 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
     v = v_pages[page_table].transpose(0, 1, 3, 2, 4).reshape(B, S, K, D).astype(jnp.float32)
     k, v = jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2)  # [B, S, H, D]
     s = jnp.einsum("bhd,bshd->bhs", q.astype(jnp.float32), k, precision="highest") * _scale(scale, D)
-    valid = (jnp.arange(S) < lengths[:, None])[:, None, :]  # [B, 1, S]
+    valid = _visible(S, lengths, window)  # [B, 1, S]
     m = jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=-1)
     p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
     return jnp.einsum("bhs,bshd->bhd", p, v, precision="highest"), jnp.sum(p, axis=-1), m
@@ -179,11 +191,11 @@ def group_partials(q, k, v, valid, scale):
     return jnp.stack(os_, 2), jnp.stack(ls, 2), jnp.stack(ms, 2)
 
 
-def _xla_partials(q, k_pages, v_pages, page_table, lengths, scale):
+def _xla_partials(q, k_pages, v_pages, page_table, lengths, scale, window):
     B, H, D = q.shape
     K = k_pages.shape[1]
     k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
-    valid = (jnp.arange(k.shape[2]) < lengths[:, None])[:, None, :]  # [B, 1, S]
+    valid = _visible(k.shape[2], lengths, window)  # [B, 1, S]
     o, l, m = group_partials(q.reshape(B, K, H // K, D), k, v, valid, scale)
     return o.reshape(B, H, D), l.reshape(B, H), m.reshape(B, H)
 
@@ -191,7 +203,7 @@ def _xla_partials(q, k_pages, v_pages, page_table, lengths, scale):
 # ------------------------------------------------------------------------------------------ Pallas
 
 def _paged_decode_kernel(q_ref, k_pages_ref, v_pages_ref, table_ref, length_ref, o_ref, l_ref, m_ref, *,
-                         scale: float, pages_per_compute_block: int):
+                         scale: float, pages_per_compute_block: int, window: int | None):
     """One (sequence, kv head, key split): q_ref [block_h, D]; *_pages_ref [num_pages, page_size, D]
     (this kv head's view of the pool); table_ref [pages_per_split]; length_ref scalar."""
     block_h, head_dim = q_ref.shape
@@ -204,6 +216,11 @@ def _paged_decode_kernel(q_ref, k_pages_ref, v_pages_ref, table_ref, length_ref,
     # Pages of this split that hold at least one valid key; the loop skips the rest entirely.
     valid_pages = jnp.clip(pl.cdiv(length, page_size) - split_first_page, 0, pages_per_split)
     num_steps = pl.cdiv(valid_pages, pages_per_compute_block)
+    first_step = 0
+    if window is not None:   # compute blocks wholly before the window are skipped too
+        first_page = jnp.clip(lax.div(jnp.maximum(length - window, 0), page_size) - split_first_page, 0,
+                              pages_per_split)
+        first_step = jnp.minimum(lax.div(first_page, pages_per_compute_block), num_steps)
     q = q_ref[...]
 
     def body(step, carry):
@@ -213,7 +230,11 @@ def _paged_decode_kernel(q_ref, k_pages_ref, v_pages_ref, table_ref, length_ref,
         v = v_pages_ref[pages].reshape(block_k, head_dim)
         s = plgpu.dot(q.astype(k.dtype), k, trans_b=True) * scale  # [block_h, block_k] float32
         first_key = (split_first_page + step * pages_per_compute_block) * page_size
-        valid = (first_key + jnp.arange(block_k) < length)[None, :]
+        key = first_key + jnp.arange(block_k)
+        valid = key < length
+        if window is not None:
+            valid &= key >= length - window
+        valid = valid[None, :]
         m_next = jnp.maximum(m_prev, jnp.max(jnp.where(valid, s, _MASK_VALUE), axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
@@ -222,7 +243,7 @@ def _paged_decode_kernel(q_ref, k_pages_ref, v_pages_ref, table_ref, length_ref,
 
     init = (jnp.zeros((block_h, head_dim), jnp.float32), jnp.zeros((block_h,), jnp.float32),
             jnp.full((block_h,), _MASK_VALUE, jnp.float32))
-    o, l, m = lax.fori_loop(0, num_steps, body, init)
+    o, l, m = lax.fori_loop(first_step, num_steps, body, init)
     o_ref[...] = o
     l_ref[...] = l
     m_ref[...] = m
@@ -233,7 +254,7 @@ def _round_up(x: int, n: int) -> int:
 
 
 def _pallas_partials(q, k_pages, v_pages, page_table, lengths, scale, block_sizes: BlockSizes,
-                     interpret: bool):
+                     interpret: bool, window: int | None = None):
     B, H, D = q.shape
     num_pages, K, page_size, _ = k_pages.shape
     G = H // K
@@ -256,7 +277,7 @@ def _pallas_partials(q, k_pages, v_pages, page_table, lengths, scale, block_size
     table = table.reshape(B, k_splits, pages_per_split)
     qg = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, block_h - G), (0, 0)))
 
-    kernel = functools.partial(_paged_decode_kernel, scale=scale, pages_per_compute_block=ppcb)
+    kernel = functools.partial(_paged_decode_kernel, scale=scale, pages_per_compute_block=ppcb, window=window)
     pool_spec = pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, s: (0, h, 0, 0))
     o, l, m = pl.pallas_call(
         kernel,
@@ -289,22 +310,25 @@ def _pallas_partials(q, k_pages, v_pages, page_table, lengths, scale, block_size
 
 # --------------------------------------------------------------------------------------- entry point
 
-@functools.partial(jax.jit, static_argnames=("scale", "implementation", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "implementation", "interpret", "block_sizes", "window"))
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None, implementation="xla",
-                           interpret=None, block_sizes=None):
+                           interpret=None, block_sizes=None, window=None):
     """Unnormalised float32 partials (o [B,H,D], l [B,H], m [B,H]) of paged decode attention.
 
     See the module docstring for shapes and the (o, l, m) contract. `implementation` is "xla" (CPU
     runtime default) or "pallas"; `interpret` (Pallas only) defaults to True on the CPU backend;
-    `block_sizes` (Pallas only) is a `BlockSizes`, default `BlockSizes()`.
+    `block_sizes` (Pallas only) is a `BlockSizes`, default `BlockSizes()`. `window`: sliding window W
+    (keys j >= lengths - W only), None for full attention.
     """
     _check_inputs(q, k_pages, v_pages, page_table, lengths)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None; got {window!r}")
     scale = _scale(scale, q.shape[-1])
     if implementation == "xla":
-        return _xla_partials(q, k_pages, v_pages, page_table, lengths, scale)
+        return _xla_partials(q, k_pages, v_pages, page_table, lengths, scale, window)
     if implementation == "pallas":
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
         return _pallas_partials(q, k_pages, v_pages, page_table, lengths, scale,
-                                block_sizes or BlockSizes(), interpret)
+                                block_sizes or BlockSizes(), interpret, window)
     raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")

@@ -10,6 +10,13 @@ One frozen dataclass covers the three families; they differ only in a few switch
 
 (* `attention_bias` in the HF config can turn it on.) `head_dim` is its own field: Qwen3 uses 128 with
 hidden/heads = 64 for the 0.6B model.
+
+`sliding_window` (W, default None = full attention) restricts every layer's attention to the W most
+recent keys, the query's own included (HF semantics: key s is visible to query q when q - s < W); every
+attention path honours it (train forward, block forward, prefill, paged decode, Pallas kernels). It
+maps to HF's `use_sliding_window: true, sliding_window: W, max_window_layers: 0` (all layers windowed);
+per-layer mixes are not supported. MetroRLHF's zero-reward shortcut skips blocks outside it
+(`jaxrl.train.blockwise`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None     # attention window W (all layers); None: full causal attention
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -63,6 +71,9 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or
+                                                isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive int or None")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
 

@@ -128,8 +128,8 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, *, positions:
         raise ValueError(f"positions/segment_ids must match tokens {tokens.shape}")
 
     def attend(l, q, k, v, carry, xs_l):
-        o = attention(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                      implementation=attention_impl)
+        o = attention(q, k, v, causal=True, window=cfg.sliding_window, q_segment_ids=segment_ids,
+                      kv_segment_ids=segment_ids, implementation=attention_impl)
         return o, carry, None
 
     x, _, _ = decoder_stack(weights, cfg, weights.embed[tokens], positions, attend, remat=remat)
@@ -173,7 +173,7 @@ def forward_block(weights: Weights, cfg: ModelConfig, tokens: jax.Array, history
         hk, hv = hist
         kk = jnp.concatenate([hk.astype(k.dtype), k], axis=1)
         vv = jnp.concatenate([hv.astype(v.dtype), v], axis=1)
-        o = attention(q, kk, vv, q_offset=S, causal=True, implementation=attention_impl)
+        o = attention(q, kk, vv, q_offset=S, causal=True, window=cfg.sliding_window, implementation=attention_impl)
         return o, carry, (k, v)
 
     x, _, kv = decoder_stack(weights, cfg, weights.embed[tokens], positions, attend, xs=(history_k, history_v),

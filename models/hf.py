@@ -58,9 +58,9 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: unsupported model_type {arch!r} (architectures={d.get('architectures')}); "
                               f"supported: {', '.join(ARCHITECTURES)}")
-    for flag in ("use_sliding_window", "mlp_bias"):
-        if d.get(flag):
-            raise CheckpointError(f"{where}: {flag}=true is not supported")
+    if d.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias=true is not supported")
+    window = _sliding_window(d, where)
     # transformers 5 moves rope_theta and the scaling dict into `rope_parameters`; 4 has them top level.
     rope = dict(d.get("rope_parameters") or {})
     scaling = rope if rope else dict(d.get("rope_scaling") or {})
@@ -85,7 +85,25 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict) -> ModelConfig:
         rope_theta=float(theta), rope_scaling=rope_scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)), qk_norm=arch == "qwen3")
+        qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)), qk_norm=arch == "qwen3",
+        sliding_window=window)
+
+
+def _sliding_window(d: dict, where: str) -> int | None:
+    """W when every layer is windowed, None when none is; a per-layer mix is refused (one W for all layers).
+    transformers' Qwen2/Qwen3 window layer i when use_sliding_window and i >= max_window_layers (5.x: the
+    `layer_types` list says it per layer)."""
+    if not d.get("use_sliding_window"):
+        return None
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", n) else "full_attention"
+                                     for i in range(n)]
+    if all(t == "full_attention" for t in types):
+        return None
+    if any(t != "sliding_attention" for t in types) or not d.get("sliding_window"):
+        raise CheckpointError(f"{where}: sliding window on some layers only (layer_types={types}, max_window_layers="
+                              f"{d.get('max_window_layers')}) is not supported: one window for every layer or none")
+    return int(d["sliding_window"])
 
 
 def config_to_hf(cfg: ModelConfig, dtype) -> dict:
@@ -104,7 +122,12 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     if cfg.architecture == "llama":
         d["mlp_bias"] = False
     if cfg.architecture in ("qwen2", "qwen3"):
-        d["use_sliding_window"] = False
+        d["use_sliding_window"] = cfg.sliding_window is not None
+        if cfg.sliding_window is not None:
+            d.update(sliding_window=cfg.sliding_window, max_window_layers=0)
+    elif cfg.sliding_window is not None:
+        raise ValueError(f"{cfg.architecture}: transformers' Llama has no sliding window; sliding_window="
+                         f"{cfg.sliding_window} cannot be exported")
     if cfg.rope_scaling is not None:
         d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     return d

@@ -15,6 +15,8 @@ PARITY_CASES = {
     "qwen3-untied": dataclasses.replace(PRESETS["tiny-qwen3"], tie_embeddings=False, num_layers=3),
     "llama3-rope-scaling": PRESETS["tiny-llama"],
     "qwen2-bias": PRESETS["tiny-qwen2"],
+    # sliding window on every layer (HF: use_sliding_window, max_window_layers=0), shorter than the rows
+    "qwen3-window": dataclasses.replace(PRESETS["tiny-qwen3"], sliding_window=7),
 }
 
 

@@ -179,7 +179,7 @@ def test_parse_cli_help_lists_every_key_with_its_resolved_value(capsys):
     assert out.startswith("usage: demo [--config FILE] [key=value ...]")
     rows = [line.split(" = ")[0].strip() for line in out.splitlines() if line.startswith("  ") and " = " in line]
     assert rows == ["seed", "prompt_len", "new_tokens", "batch", "run_dir", "model.preset", "model.hf_path",
-                    "model.dtype", "mesh.rollout_tp", "mesh.rollout_instances", "mesh.train.dp", "mesh.train.fsdp",
+                    "model.dtype", "model.sliding_window", "mesh.rollout_tp", "mesh.rollout_instances", "mesh.train.dp", "mesh.train.fsdp",
                     "mesh.train.tp"]
     for row in ("  seed = 9", "  mesh.train.fsdp = 4", "  mesh.train.tp = 1", "  model.hf_path = null"):
         assert row + "\n" in out or row + " " in out, row
@@ -296,3 +296,14 @@ def test_trainer_section_validates_forward_options():
     assert "remat" in str(err) and "none, layer, dots" in str(err)
     err = config_error(lambda: train.TrainerSection(attention_impl="cudnn"))
     assert "attention_impl" in str(err) and "xla, pallas" in str(err)
+
+
+def test_model_sliding_window_override():
+    from jaxrl.config.sections import ModelSection
+
+    assert ModelSection(preset="tiny-char").model_config().sliding_window is None
+    assert ModelSection(preset="tiny-char", sliding_window=16).model_config().sliding_window == 16
+    err = config_error(ModelSection, "tiny-char", None, "float32", 0)
+    assert "sliding_window" in str(err)
+    with pytest.raises(ValueError, match="Llama has no sliding window"):
+        ModelSection(preset="tiny-llama", sliding_window=8).model_config()

@@ -87,3 +87,29 @@ def test_rope_scaling_is_exercised(tmp_path):
     unscaled = dataclasses.replace(cfg, rope_scaling=None)
     diff = np.abs(np.asarray(forward(weights, unscaled, jnp.asarray(tokens, jnp.int32))) - hf_logits(model, tokens)).max()
     assert diff > 100 * ATOL_F32
+
+
+def test_sliding_window_is_exercised(tmp_path):
+    """Negative control: the windowed checkpoint loads with its window, and dropping it breaks parity."""
+    import dataclasses
+
+    cfg = PARITY_CASES["qwen3-window"]
+    model = hf_model(cfg)
+    model.save_pretrained(tmp_path)
+    got_cfg, weights = load_hf(tmp_path)
+    assert got_cfg.sliding_window == 7
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 24))
+    full = dataclasses.replace(cfg, sliding_window=None)
+    diff = np.abs(np.asarray(forward(weights, full, jnp.asarray(tokens, jnp.int32))) - hf_logits(model, tokens)).max()
+    assert diff > 100 * ATOL_F32
+
+
+def test_partly_windowed_checkpoint_is_refused():
+    from models.hf import CheckpointError, config_to_hf
+
+    d = config_to_hf(PARITY_CASES["qwen3-window"], np.float32)
+    d["max_window_layers"] = 1                      # layer 0 full, layer 1 windowed
+    with pytest.raises(CheckpointError, match="some layers only"):
+        config_from_hf(d)
+    d["use_sliding_window"] = False
+    assert config_from_hf(d).sliding_window is None

@@ -35,11 +35,16 @@ def reference(weights, prompts):
     return generate(CFG, weights, prompts, params, page_size=8, num_pages=64, prefix_sharing=False, overlap=False)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+GENERATE_CASES = {"tiny-qwen3": PRESETS["tiny-qwen3"], "tiny-llama": PRESETS["tiny-llama"],
+                  # a window shorter than the prompts: prefill chunks and paged decode both cut keys
+                  "tiny-qwen3-window": dataclasses.replace(PRESETS["tiny-qwen3"], sliding_window=6)}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATE_CASES))
 def test_greedy_matches_transformers_generate(name, tmp_path):
     import torch
 
-    cfg = PRESETS[name]
+    cfg = GENERATE_CASES[name]
     model = hf_model(cfg, seed=1)
     model.save_pretrained(tmp_path)
     _, w = load_hf(tmp_path)

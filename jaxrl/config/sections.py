@@ -23,27 +23,41 @@ class ModelSection(Section):
 
     `hf_path`, when set, wins over `preset` (the preset is still validated). Whether the directory
     exists is checked by `model_config()`, not here, so a saved config still loads on another machine.
-    `dtype` is the parameter and activation dtype.
+    `dtype` is the parameter and activation dtype. `sliding_window` (W) windows every layer's attention
+    to the W most recent keys (`ModelConfig.sliding_window`), overriding the model's own; null keeps the
+    model's (a checkpoint's config.json may set one). It changes what the model computes: meant for
+    models trained with it and for MetroRLHF's zero-reward shortcut (`trainer.backward=blockwise`).
     """
 
     preset: str = "tiny-qwen3"             # a models.config.PRESETS name (shapes when hf_path is null)
     hf_path: str | None = None             # local HF checkpoint directory (config.json, *.safetensors); wins over preset
     dtype: str = "float32"                 # parameter and activation dtype: float32, bfloat16 or float16
+    sliding_window: int | None = None      # attention window W on every layer; null = the model's own
 
     def __post_init__(self):
         check_choice("preset", self.preset, sorted(PRESETS))
         check_str("hf_path", self.hf_path, allow_none=True)
         check_choice("dtype", self.dtype, DTYPES)
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, minimum=1)
 
     def model_config(self) -> ModelConfig:
-        """The ModelConfig: read from `hf_path`'s config.json when set, else the preset."""
+        """The ModelConfig: read from `hf_path`'s config.json when set, else the preset; `sliding_window`
+        replaces the model's window when set."""
         if self.hf_path is None:
-            return preset(self.preset)
-        # Imported here, so that the HF import code (and anything wrong with it) is only touched when a
-        # config actually names a checkpoint.
-        from models import config_from_hf
+            cfg = preset(self.preset)
+        else:
+            # Imported here, so that the HF import code (and anything wrong with it) is only touched when
+            # a config actually names a checkpoint.
+            from models import config_from_hf
 
-        return config_from_hf(self.hf_path)
+            cfg = config_from_hf(self.hf_path)
+        if self.sliding_window is None:
+            return cfg
+        if cfg.architecture == "llama":     # refused now rather than at the HF export that ends the run
+            raise ValueError(f"model.sliding_window={self.sliding_window}: transformers' Llama has no sliding window "
+                             "(its HF checkpoint could not be exported); use a qwen2/qwen3 model")
+        return dataclasses.replace(cfg, sliding_window=self.sliding_window)
 
     def jnp_dtype(self) -> jnp.dtype:
         import jax.numpy as jnp

@@ -70,7 +70,8 @@ def prefill_step(weights, k_pages, v_pages, tokens, start, n_valid, page_table, 
         k_pages = k_pages.at[l, page, :, slot].set(k.astype(k_pages.dtype))
         v_pages = v_pages.at[l, page, :, slot].set(v.astype(v_pages.dtype))
         kk, vv = _gather_pages(k_pages, l, page_table), _gather_pages(v_pages, l, page_table)
-        o = attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True, implementation=impl)
+        o = attention(q, kk, vv, q_offset=start, kv_lengths=kv_len, causal=True, window=cfg.sliding_window,
+                      implementation=impl)
         return o, (k_pages, v_pages), None
 
     _, (k_pages, v_pages), _ = decoder_stack(weights, cfg, weights.embed[tokens], pos, attend,
@@ -103,7 +104,7 @@ def decode_step(weights, k_pages, v_pages, prev_tokens, src, tokens, positions, 
         k_pages = k_pages.at[l, page, :, slot].set(k[:, 0].astype(k_pages.dtype))
         v_pages = v_pages.at[l, page, :, slot].set(v[:, 0].astype(v_pages.dtype))
         o, lse_l, _ = paged_decode_attention(q[:, 0], k_pages[l], v_pages[l], page_table, positions + 1,
-                                             implementation=impl)
+                                             window=cfg.sliding_window, implementation=impl)
         return normalize(o, lse_l, dtype=q.dtype)[:, None], (k_pages, v_pages), None
 
     h, (k_pages, v_pages), _ = decoder_stack(weights, cfg, weights.embed[tokens[:, None]], positions[:, None],

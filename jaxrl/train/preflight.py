@@ -112,7 +112,8 @@ def check_tokenizer(cfg: TrainConfig) -> str:
     try:
         model_vocab = cfg.model.model_config().vocab_size
     except (ValueError, KeyError, OSError) as e:
-        raise StartupError(f"model.hf_path={absolute(cfg.model.hf_path)}: {str(e).splitlines()[0]}") from None
+        where = f"model.hf_path={absolute(cfg.model.hf_path)}: " if cfg.model.hf_path else ""
+        raise StartupError(f"{where}{str(e).splitlines()[0]}") from None
     if tok.vocab_size > model_vocab:
         name = source if source == "char" else absolute(source)
         raise StartupError(f"tokenizer {name} has {tok.vocab_size} tokens, more than the model's vocab_size "
