@@ -62,7 +62,7 @@ def test_block_kv_equals_rollout_cache():
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 13).tolist()
     out = generate(cfg, w, [prompt], SamplingParams(max_new_tokens=6, temperature=0.0, return_kv=True),
                    page_size=8, num_pages=16)[0]
-    ck, cv = out.kv                                              # [L, n, K, D], n = len(seq) - 1
+    ck, cv = out.kv.numpy()                                      # [L, n, K, D], n = len(seq) - 1
     seq = jnp.asarray([prompt + out.tokens[:-1]], jnp.int32)
     # Two blocks, so the second block's K/V sit at a nonzero RoPE offset.
     _, (k, v) = _blockwise(w, cfg, seq, splits=(9, seq.shape[1] - 9))

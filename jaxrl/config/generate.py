@@ -35,13 +35,15 @@ class SamplingSection(Section):
         check_int("n", self.n, minimum=1)
         check_int("seed", self.seed, minimum=0)
 
-    def build(self, *, stop_token_ids=(), seed: int | None = None, n: int | None = None):
-        """The `SamplingParams` of one request (`seed`/`n` override the section's)."""
+    def build(self, *, stop_token_ids=(), seed: int | None = None, n: int | None = None, return_kv: bool = False):
+        """The `SamplingParams` of one request (`seed`/`n` override the section's; `return_kv` exports each
+        completion's K/V on the devices)."""
         from jaxrl.rollout import SamplingParams
 
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                               top_k=self.top_k or 0, top_p=self.top_p, n=self.n if n is None else n,
-                              seed=self.seed if seed is None else seed, stop_token_ids=tuple(stop_token_ids))
+                              seed=self.seed if seed is None else seed, stop_token_ids=tuple(stop_token_ids),
+                              return_kv=return_kv)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,9 @@ from jaxrl import algos
 from models.forward import ATTENTION_IMPLS, REMAT_POLICIES
 
 from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
+
+BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
+KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
 from .generate import EngineSection, SamplingSection
 from .sections import LayoutSection, ModelSection
 
@@ -137,19 +140,30 @@ class TrainerSection(Section):
     micro_batch_tokens // pack_len rows (gradients summed, then one optimizer update), so one compiled
     gradient step serves every batch and memory is bounded by the micro-batch; `algo.micro_batches` then
     must stay 1. null: one fused step over the whole batch, rows bucketed (a compile per new row count).
-    `warmup`: compile every shape the run can use (rollout buckets, the update) before the first step."""
+    `warmup`: compile every shape the run can use (rollout buckets, the update) before the first step.
+    `backward`: "full" differentiates each micro-batch's rows whole; "blockwise" is MetroRLHF's backward
+    (`jaxrl.train.blockwise`): blocks of `block_size` tokens from the last to the first, the earlier
+    positions' K/V taken from a cache (`kv_source`: "recompute" = one forward pass that keeps only K/V,
+    "rollout" = the K/V the engine computed while generating; on-policy only), the same gradient with
+    activations for one block instead of the whole row. RL steps only (the warm start has no cache)."""
 
     remat: str = "dots"                  # dots, none or layer (what the backward recomputes)
     attention_impl: str = "xla"          # xla or pallas
     fused_loss: bool = True              # loss + lm_head gradient in one pass (kernels.logprob_loss)
     micro_batch_tokens: int | None = 2048    # fixed micro-batch (tokens): one compiled step for any batch; null = whole batch
     warmup: bool = True                  # compile every rollout and update shape before the first step
+    backward: str = "full"               # full or blockwise (MetroRLHF: blocks last to first over cached K/V)
+    block_size: int = 256                # blockwise: tokens per block (T)
+    kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)
 
     def __post_init__(self):
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if self.micro_batch_tokens is not None:
             check_int("micro_batch_tokens", self.micro_batch_tokens, minimum=1)
+        check_choice("backward", self.backward, BACKWARDS)
+        check_int("block_size", self.block_size, minimum=1)
+        check_choice("kv_source", self.kv_source, KV_SOURCES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,9 +281,28 @@ class TrainConfig(Section):
             raise ConfigError("algo.micro_batches", f"{self.algo.micro_batches} with trainer.micro_batch_tokens="
                               f"{self.trainer.micro_batch_tokens}: the micro-batches already come from the token "
                               "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
+        self._check_blockwise()
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "
                               f"rollout.max_new_tokens {self.rollout.max_new_tokens} = {longest} tokens > "
                               f"engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len or lower one "
                               "of the two")
+
+
+    def _check_blockwise(self):
+        """trainer.backward / kv_source combinations that cannot run, refused with the key and the reason."""
+        t = self.trainer
+        if t.backward == "blockwise" and t.micro_batch_tokens is None:
+            raise ConfigError("trainer.backward", "blockwise runs per fixed-shape micro-batch: set "
+                              "trainer.micro_batch_tokens (null selects the fused whole-batch step)")
+        if t.kv_source == "rollout":
+            if t.backward != "blockwise":
+                raise ConfigError("trainer.kv_source", "rollout K/V are consumed by trainer.backward=blockwise only")
+            if self.algo.mini_batches > 1:
+                raise ConfigError("trainer.kv_source", f"rollout K/V are the rollout policy's; with algo.mini_batches="
+                                  f"{self.algo.mini_batches} every update after the first trains weights that moved "
+                                  "(off-policy): use kv_source=recompute or mini_batches=1")
+            if (self.distributed.num_processes or 1) > 1:
+                raise ConfigError("trainer.kv_source", "the rollout's K/V live on each process's own instances and "
+                                  "cannot be consumed by a multi-process train mesh yet: use kv_source=recompute")

@@ -10,12 +10,12 @@ An instance is a host `Scheduler` (pure Python; live sequences are `SequenceStat
 
 from .executor import CACHE, ExecutableCache, Executor
 from .instance import Completion, Instance
-from .kv_store import KVStore, move_bytes, move_pages
+from .kv_store import KVStore, SequenceKV, move_bytes, move_pages
 from .migration import MoveReport, RelayoutReport
 from .params import SamplingParams
 from .scheduler import Scheduler, SchedulerSnapshot, SequenceState
 from .service import RolloutService, generate
 
 __all__ = ["CACHE", "Completion", "ExecutableCache", "Executor", "Instance", "KVStore", "MoveReport",
-           "RelayoutReport", "RolloutService", "SamplingParams", "Scheduler", "SchedulerSnapshot", "SequenceState",
+           "RelayoutReport", "RolloutService", "SamplingParams", "Scheduler", "SchedulerSnapshot", "SequenceKV", "SequenceState",
            "generate", "move_bytes", "move_pages"]

@@ -36,7 +36,7 @@ from models import ModelConfig
 from sharding import Layout, ShardingRules
 
 from .executor import Executor
-from .kv_store import KVStore
+from .kv_store import KVStore, SequenceKV
 from .scheduler import Scheduler, Sequence, SequenceState
 from .shapes import ShapeBuckets
 
@@ -50,7 +50,7 @@ class Completion:
     finish_reason: str                    # "stop" | "length" | "abort"
     instance: int
     preemptions: int = 0
-    kv: tuple[np.ndarray, np.ndarray] | None = None  # K, V [layers, len(prompt)+len(tokens)-1, K, D]
+    kv: SequenceKV | None = None          # return_kv: K/V on the instance's devices (`.numpy()` for host copies)
 
 
 class Instance:
@@ -107,13 +107,16 @@ class Instance:
         return bool(self.sched.waiting or self.sched.running or self._inflight or self._ready)
 
     # ------------------------------------------------------------------ steps
-    def warm(self, *, truncate=(False,)) -> int:
+    def warm(self, *, truncate=(False,), export: bool = False) -> int:
         """Compile every step shape this instance can run (`self.shapes`: decode, prefill, page copies),
-        for each sampler variant in `truncate`; returns how many executables that compiled (0 when they
-        are all cached). Afterwards no rollout on this instance compiles."""
+        for each sampler variant in `truncate`, and with `export` the K/V export of every page-count bucket
+        (`return_kv`); returns how many executables that compiled (0 when they are all cached; exports are
+        not counted: they are plain jitted functions). Afterwards no rollout on this instance compiles."""
         from .executor import CACHE
 
         before = CACHE.compiles
+        if export:
+            self.kv.warm_export(self.shapes.max_pages)
         sh = self.shapes
         self.kv = self.executor.warm(self.weights, self.kv, decode=sh.decode_shapes(), prefill=sh.prefill_shapes(),
                                      truncate=truncate)

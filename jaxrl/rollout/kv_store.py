@@ -30,6 +30,24 @@ from sharding import ShardingRules, leaf_bytes_moved, shardings_for
 from .shapes import copy_bucket, fine_bucket
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceKV:
+    """A finished sequence's K/V, exported on its instance's devices (never through the host).
+
+    k, v [layers, n, kv_heads, head_dim] with n >= length: the sequence's pages gathered in order, their
+    count padded to a `shapes.fine_bucket` (so exports compile a bounded set of shapes); positions >=
+    `length` are padding. `length` = prompt + generated tokens - 1 (the last token's K/V is never computed:
+    no step reads it). MetroRLHF's blockwise trainer consumes these (`jaxrl.train.rollout_kv`)."""
+
+    k: jax.Array
+    v: jax.Array
+    length: int
+
+    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies trimmed to `length`: K, V [layers, length, kv_heads, head_dim]."""
+        return np.asarray(self.k)[:, :self.length], np.asarray(self.v)[:, :self.length]
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVStore:
@@ -71,10 +89,16 @@ class KVStore:
         put = lambda x: jax.device_put(x, NamedSharding(self.sharding.mesh, PartitionSpec()))  # noqa: E731
         return KVStore(*_copy_pages(self.k, self.v, put(src), put(dst)))
 
-    def export(self, pages: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
-        """Contiguous K, V [layers, length, kv_heads, head_dim] of a sequence held in `pages` (host arrays)."""
-        k, v = _export(self.k, self.v, jnp.asarray(_padded(pages), jnp.int32))
-        return np.asarray(k)[:, :length], np.asarray(v)[:, :length]
+    def export(self, pages: list[int], length: int) -> SequenceKV:
+        """Contiguous K, V of a sequence held in `pages`, on this pool's devices (`SequenceKV`)."""
+        put = lambda x: jax.device_put(x, NamedSharding(self.sharding.mesh, PartitionSpec()))  # noqa: E731
+        k, v = _export(self.k, self.v, put(_padded(pages)))
+        return SequenceKV(k, v, length)
+
+    def warm_export(self, max_pages: int):
+        """Compile `export` for every page-count bucket a sequence of up to `max_pages` pages can have."""
+        for n in sorted({fine_bucket(p) for p in range(1, max_pages + 1)}):
+            self.export([0] * n, 0)
 
     def take(self, pages: list[int]) -> tuple[jax.Array, jax.Array]:
         """K, V of `pages` [layers, n, kv_heads, page_size, head_dim] on this pool's devices (relayout staging)."""
@@ -103,6 +127,7 @@ def _copy_pages(k, v, src, dst):
     return _copy_pages_fn(k.sharding)(k, v, src, dst)
 
 
+@jax.jit
 @jax.jit
 def _export(k, v, page_ids):
     Lr, _, K, ps, D = k.shape

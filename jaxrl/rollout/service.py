@@ -174,11 +174,13 @@ class RolloutService:
 
     def warm(self, params: Seq[SamplingParams] = (SamplingParams(),)) -> int:
         """Compile, on every instance, each step shape it can run (its bounded `ShapeBuckets`) with the
-        sampler variants `params` need (whether top-k/top-p is compiled in); returns the number of new
+        sampler variants `params` need (whether top-k/top-p is compiled in), and the K/V export of every
+        page-count bucket when some params have `return_kv`; returns the number of new
         executables. Afterwards rollouts with such params compile nothing (instances rebuilt on the same
         layout reuse the executables)."""
         truncate = tuple(sorted({p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params}))
-        return sum(inst.warm(truncate=truncate) for inst in self.instances)
+        export = any(p.return_kv for p in params)
+        return sum(inst.warm(truncate=truncate, export=export) for inst in self.instances)
 
     def _instance(self, index: int | None) -> Instance:
         if index is not None:

@@ -37,6 +37,11 @@ def request_seed(run_seed: int, step: int, row_index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def uses_rollout_kv(cfg: TrainConfig) -> bool:
+    """MetroRLHF consumes the rollout's K/V (the engine then exports each completion's on the devices)."""
+    return cfg.trainer.backward == "blockwise" and cfg.trainer.kv_source == "rollout"
+
+
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
                       rows: list[dict], step: int, eos_ids) -> tuple[list[Completion], np.ndarray, dict]:
     """All samples of all local prompts, prompt-major (row p*G + g), with their rewards.
@@ -50,7 +55,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     r, G = cfg.rollout, cfg.algo.group_size
     order = []
     for ids, row in zip(prompts, rows):
-        params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])))
+        params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])),
+                         return_kv=uses_rollout_kv(cfg))
         order += svc.add(ids, params)
     slot = {rid: k for k, rid in enumerate(order)}
     comps: list[Completion | None] = [None] * len(order)
@@ -182,11 +188,13 @@ def micro_batch_rows(cfg: TrainConfig, mesh, pack_len: int) -> int:
 
 
 def micro_batches(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int,
-                  rows: int, mini_batches: int = 1) -> list[dict]:
+                  rows: int, mini_batches: int = 1, *, with_rows: bool = False):
     """Pack local samples and cut them into micro-batches of exactly `rows` global rows x `pack_len`
     (every process contributes rows / process_count of each, its own; the last ones padded with
     zero-weight rows). The count is agreed across processes and is a multiple of `mini_batches`. Weights
-    have the denominator folded in, as in `global_batch`: update with denominator 1.0."""
+    have the denominator folded in, as in `global_batch`: update with denominator 1.0. `with_rows`: also
+    return the packing, local row r -> the sample indices in it, in order (micro-batch r // (rows /
+    process_count), its row r % that)."""
     weights, _ = batch_weights(samples, cfg, max_new_tokens, fold=True)
     local = rows // jax.process_count()
     assignment = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
@@ -194,5 +202,6 @@ def micro_batches(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, 
     n = -(-max(n, 1) // mini_batches) * mini_batches
     packed = pack(samples, weights, pack_len, n_rows=n * local, rows=assignment)
     sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
-    return [{k: jax.make_array_from_process_local_data(sharding, v[i * local:(i + 1) * local], (rows, pack_len))
-             for k, v in packed.items()} for i in range(n)]
+    mbs = [{k: jax.make_array_from_process_local_data(sharding, v[i * local:(i + 1) * local], (rows, pack_len))
+            for k, v in packed.items()} for i in range(n)]
+    return (mbs, assignment) if with_rows else mbs

@@ -133,7 +133,15 @@ def _weighted_token_loss(logp, ent, aux, *, spec: LossSpec):
 
 
 def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
-    """(Σ weights · ℓ · mask, stats sums) of one micro-batch; the weights carry the aggregation.
+    """(Σ weights · ℓ · mask, stats sums) of one micro-batch; the weights carry the aggregation."""
+    h = forward(params, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
+                return_hidden=True, attention_impl=spec.attention_impl, remat=spec.remat)
+    return hidden_loss(params, cfg, spec, h, mb)
+
+
+def hidden_loss(params, cfg: ModelConfig, spec: LossSpec, h, mb):
+    """`loss_fn` from the final hidden states h [R, L, E] of `mb`'s tokens (also a block of them: every
+    term is per token, so block sums add up to the micro-batch's).
 
     `spec.fused_loss`: the sum and its gradient come from `kernels.logprob_loss.token_loss_sum` (each
     token chunk's full-vocabulary softmax, loss derivatives and projection gradients in one pass: 6·E·V·T
@@ -141,8 +149,6 @@ def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
     (8·E·V·T: its backward recomputes the logits). The two agree within float32 rounding
     (tests/test_train_step.py). The stats are computed from the same log-probs either way."""
     if spec.fused_loss:
-        h = forward(params, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
-                    return_hidden=True, attention_impl=spec.attention_impl, remat=spec.remat)
         aux = _loss_aux(mb, spec)
         loss, logp, ent = token_loss_sum(h, lm_head(params), mb["targets"], aux,
                                          functools.partial(_weighted_token_loss, spec=spec),
@@ -150,8 +156,8 @@ def loss_fn(params, cfg: ModelConfig, spec: LossSpec, mb):
         mask = aux["loss_mask"]
         _, parts = token_loss(logp, ent, mb, spec)
     else:
-        logp, ent = token_logp(params, cfg, mb, spec.temperature, remat=spec.remat,
-                               attention_impl=spec.attention_impl)
+        logp, ent = token_logprobs(h, lm_head(params), mb["targets"], temperature=spec.temperature,
+                                   valid_vocab=cfg.vocab_size)
         mask, w = mb["loss_mask"].astype(jnp.float32), mb["weights"]
         tok, parts = token_loss(logp, ent, mb, spec)
         loss = jnp.sum(w * tok * mask)

@@ -41,6 +41,9 @@ from sharding import ShardingRules, padded_vocab_for, shardings_for
 
 from . import rl
 from .batch import FIELDS, INT_FIELDS, Sample
+from .blockwise import BlockwiseUpdater
+from .rollout_kv import KVStager
+from jaxrl.rollout.shapes import fine_bucket
 from .checkpoint import CheckpointManager
 from .curves import plot_run
 from .distributed import global_sum
@@ -93,7 +96,15 @@ class Trainer:
         # so every update passes denominator 1.0 (bitwise the pre-split update).
         e = cfg.engine
         self.pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
-        if cfg.trainer.micro_batch_tokens:      # fixed-shape micro-batches: one compiled gradient step
+        t = cfg.trainer
+        self.stager = None
+        if t.micro_batch_tokens and t.backward == "blockwise":      # MetroRLHF: blocks over cached K/V
+            self.updater = BlockwiseUpdater(self.model_cfg, self.spec, self.tx, block_size=t.block_size,
+                                            kv_source=t.kv_source)
+            self.mb_rows = rl.micro_batch_rows(cfg, self.mesh, self.pack_len)
+            if rl.uses_rollout_kv(cfg):
+                self.stager = KVStager(self.model_cfg, self.mesh, self._kv_capacity(), self.dtype)
+        elif t.micro_batch_tokens:      # fixed-shape micro-batches: one compiled gradient step
             self.updater = Updater(self.model_cfg, self.spec, self.tx)
             self.mb_rows = rl.micro_batch_rows(cfg, self.mesh, self.pack_len)
         else:
@@ -108,6 +119,13 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
         self.profiler = Profiler(self.run_dir, cfg.profile_steps)
+
+    def _kv_capacity(self) -> int:
+        """Tokens of one step's exported rollout K/V at most: every sequence at its largest page bucket."""
+        cfg = self.cfg
+        ps = cfg.engine.page_size
+        pages = -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // ps)
+        return cfg.algo.prompts_per_step * cfg.algo.group_size * fine_bucket(pages) * ps
 
     # ---------------------------------------------------------------------------------------- setup
     def _setup_data(self):
@@ -219,7 +237,7 @@ class Trainer:
         adv = rl.advantages(cfg, rewards, lens)
         samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
         if self.updater:
-            m = self._update(samples)
+            m = self._update(samples, [c.kv for c in comps] if self.stager else None)
         else:
             m = self._update_fused(samples)
         t3 = time.perf_counter()
@@ -230,20 +248,36 @@ class Trainer:
         return self._metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
                                                              sync_s=t4 - t3, step_seconds=t4 - t0))
 
-    def _update(self, samples) -> dict:
+    def _update(self, samples, kvs=None) -> dict:
         """Fixed-shape micro-batches: [reference / old log-probs per micro-batch], then `mini_batches`
-        updates over consecutive groups of them."""
+        updates over consecutive groups of them. `kvs`: the completions' exported K/V (kv_source=rollout)."""
         cfg, mini = self.cfg, self.cfg.algo.mini_batches
-        mbs = rl.micro_batches(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens, self.mb_rows, mini)
+        mbs, rows = rl.micro_batches(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens, self.mb_rows,
+                                     mini, with_rows=True)
+        caches = None
+        if kvs is not None:          # the rollout's K/V, packed like each micro-batch (on the train mesh)
+            offsets = self.stager.stage(kvs)
+            cached, lengths = [kv.length for kv in kvs], [len(s.prompt) + len(s.response) for s in samples]
+            row_len = self.updater.padded_len(self.pack_len)
+            caches = [self.stager.packed(self.stager.index(rows, offsets, cached, lengths, j * self.mb_rows,
+                                                           self.mb_rows, row_len)) for j in range(len(mbs))]
         for mb in mbs:
             if self.spec.kl_coef:
                 mb["ref_logp"] = self.updater.logprobs(self.ref_params, mb)
             if mini > 1:
                 mb["old_logp"] = self.updater.logprobs(self.params, mb)
         per = len(mbs) // mini
+        blocks = skipped = 0
         for k in range(mini):
-            self.params, self.opt_state, m = self.updater.update(self.params, self.opt_state, mbs[k * per:(k + 1) * per])
-        return jax.device_get(m)
+            part = slice(k * per, (k + 1) * per)
+            kw = {"kv": caches[part]} if caches is not None else {}
+            self.params, self.opt_state, m = self.updater.update(self.params, self.opt_state, mbs[part], **kw)
+            if isinstance(self.updater, BlockwiseUpdater):
+                blocks, skipped = blocks + self.updater.last["blocks"], skipped + self.updater.last["skipped"]
+        m = jax.device_get(m)
+        if isinstance(self.updater, BlockwiseUpdater):      # it says that it ran (blockwise/... metrics)
+            m.update({"blockwise/blocks": blocks, "blockwise/skipped": skipped})
+        return m
 
     def _update_fused(self, samples) -> dict:
         """trainer.micro_batch_tokens=null: one bucketed batch, one fused step per mini-batch."""
@@ -270,15 +304,23 @@ class Trainer:
             return
         t0 = time.perf_counter()
         r = self.cfg.rollout
-        n = self.svc.warm([r.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids)])
+        n = self.svc.warm([r.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids,
+                                   return_kv=rl.uses_rollout_kv(self.cfg))])
         if self.updater:
             sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
             keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * (self.cfg.algo.mini_batches > 1)
             mb = {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len),
                                           jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=sharding)
                   for k in keys}
+            extra = {}
+            if self.stager:          # the rollout K/V path: staging writes, the packed gather, the block step on it
+                row_len = self.updater.padded_len(self.pack_len)
+                ps = self.cfg.engine.page_size
+                max_pages = -(-(self.cfg.data.max_prompt_len + self.cfg.rollout.max_new_tokens) // ps)
+                self.stager.warm(ps, max_pages, self.mb_rows, row_len)
+                extra["kv"] = self.stager.abstract(self.mb_rows, row_len)
             n += self.updater.warm(self.params, self.opt_state, mb,
-                                   logp_params=[self.ref_params] if self.ref_params is not None else [])
+                                   logp_params=[self.ref_params] if self.ref_params is not None else [], **extra)
         self.svc.update_weights(self.params)
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
             print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s",
@@ -299,7 +341,8 @@ class Trainer:
                "grad_norm": m["grad_norm"], "loss": m["loss"], "skipped": m["skipped"],
                "lr": float(self.lr(self.step * self.cfg.algo.mini_batches)),
                "reward_timeouts": counts[0], "reward_crashes": counts[1], "preemptions_total": counts[2],
-               "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9), **times}
+               "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9), **times,
+               **{k: v for k, v in m.items() if k.startswith("blockwise/")}}
         return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
 
     # ------------------------------------------------------------------------------------------ run

@@ -1,0 +1,259 @@
+"""MetroRLHF's blockwise backward (paper 004, §3.1 Algorithm 1, §3.2): each micro-batch's RL gradient computed
+block by block, from the last block of its rows to the first, with the earlier positions' K/V taken from a
+cache, so activations are held for one block of T tokens instead of the whole row. The gradient is that of
+full-sequence training (tests/test_blockwise.py).
+
+For one fixed-shape micro-batch of R packed rows x P tokens (P padded up to a multiple of T), every row's
+block i (tokens [iT, (i+1)T)) is processed together ("batched over sequences that share a block index"):
+
+    C = K/V of every layer at every position          [L, R, P, K, D]   the cache (`kv_source`)
+    ∇C = 0                                            [L, R, P, K, D]   history-gradient accumulator (float32)
+    for i in plan (last block first, Algorithm 1 lines 7-20):
+        (loss_i, K_i, V_i), vjp = jax.vjp(block_forward_i, θ, C)
+        g_θ, g_C = vjp(1 for loss_i, ∇C[:, :, iT:(i+1)T] for the block's own K_i, V_i)
+        ∇C += g_C;  grads += g_θ;  stats += the block's stats
+    one `apply_update` (normalise once, clip, optax) after the micro-batches (`grad_step`'s contract)
+
+`block_forward_i` runs the one decoder layer (`models.decoder_stack`) on the block's tokens with RoPE at
+their absolute positions (the packed rows' restarted positions), and in every layer writes the block's
+fresh K/V into the cache buffer at iT (`dynamic_update_slice`) and attends with queries at offset iT
+(`kernels.attention`: causal, the model's sliding window, the rows' segment ids), so keys are
+[history from C; the block's own; later positions masked]. The history is a fixed-size buffer masked by
+position, so one compiled block step serves every block (the start is a traced scalar); it donates ∇C and
+the gradient/stats accumulators. Its vjp w.r.t. C is exactly the gradient reaching the cached history
+(positions < iT; the overwritten and the masked positions get exactly zero). The loss of a block is
+`step.hidden_loss` on the block's hidden states (the fused or chunked log-prob path, every RL loss, KL
+to the reference and the entropy bonus: all per-token terms, so block sums add up).
+
+KV source (`trainer.kv_source`):
+  "recompute"  one forward-only pass per micro-batch that keeps each layer's K/V and nothing else
+               (`recompute_kv`); the blockwise step then reuses them.
+  "rollout"    the K/V the rollout engine computed while generating (exported on the devices,
+               `jaxrl.train.rollout_kv`); valid on-policy only (one update per rollout batch).
+
+Zero-reward shortcut (§3.2, Algorithm 1 lines 5, 9, 18): a block runs iff it holds a loss token or lies in
+the receptive field of a later one; the others' vjp is exactly zero, so skipping them changes nothing.
+Blocks are visited last first with L_ctx = +inf; block i runs iff it has loss tokens or (i + 1)T > L_ctx,
+and a block with loss tokens starting at iT sets L_ctx = min(L_ctx, iT - L·(W - 1)) (L layers, window W;
+no window: -inf). Why L·(W - 1): a query at q sees keys q - W + 1 .. q (HF's q - s < W), so after L windowed
+layers the loss at q depends on positions q - L·(W - 1) .. q and on nothing earlier.
+
+That differs from the paper's Algorithm 1 in two ways, both measured in tests/test_blockwise.py:
+  - the paper sets L_ctx = shift - W after *every* processed block, so once a block runs every earlier one
+    does ((i)T > iT - W): exact, but the shortcut then only ever skips trailing loss-free blocks;
+  - its reach W is one layer's: for L > 1 the prompt positions between L·(W - 1) and W before an answer
+    still carry gradient, and skipping them (what a loss-driven L_ctx = shift - W does) changes the
+    gradient (the negative-control test). The quoted saving ((Ctx + min(2T, Ctx)) / (2 Ctx) at W = 1024)
+    needs that inexact reach; with the exact one a model of L layers skips prompt blocks more than
+    L·(W - 1) positions before the first answer token (for Qwen3-32B's 64 layers at W = 1024, 65K).
+With W = 1 only blocks with loss tokens run; without a window, every block up to the last one with loss tokens.
+
+Simplified / left out (said, not pretended done): the XLA attention path computes each block's queries
+against the whole P-key buffer (masked), so on the CPU a blockwise step does up to ~2x the attention
+FLOPs of the full step (the Pallas kernel skips the masked key blocks from the traced offset on GPU);
+the plan is per block index over all rows of a micro-batch (a row without loss tokens in block i still
+runs when another row has them); the reference and old-policy log-probs are computed by the ordinary
+forward (`Updater.logprobs`), not blockwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kernels import attention
+from models import ModelConfig, decoder_stack
+
+from .batch import FIELDS
+from .step import STATS, LossSpec, hidden_loss
+from .update import Updater, _abstract, _out_abstract
+
+from jaxrl.config.train import BACKWARDS, KV_SOURCES  # noqa: E402,F401  (re-exported)
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+def plan_blocks(has_loss, block: int, window: int | None, layers: int) -> list[int]:
+    """Block indices to process, last first (Algorithm 1 with the zero-reward shortcut; module docstring).
+    `has_loss[i]`: block i holds a loss token in some row; `layers`: the model's layer count (the reach of
+    the gradient is layers · (window - 1) positions)."""
+    run, ctx = [], math.inf
+    for i in reversed(range(len(has_loss))):
+        if has_loss[i] or (i + 1) * block > ctx:
+            run.append(i)
+            if has_loss[i]:
+                ctx = min(ctx, -math.inf if window is None else i * block - layers * (window - 1))
+    return run
+
+
+def blocks_with_loss(loss_mask, block: int) -> np.ndarray:
+    """[n_blocks] bool: which blocks hold a loss token in any row, over every process's rows (the plan
+    must be the same in every process: they all run the same program)."""
+    P = loss_mask.shape[1]
+    n = -(-P // block)
+    local = np.zeros(n, bool)
+    for shard in loss_mask.addressable_shards:
+        m = np.asarray(shard.data).astype(bool)
+        cols = range(P)[shard.index[1]] if shard.index[1] != slice(None) else range(P)
+        start = cols[0] if len(cols) else 0
+        for i in range(n):
+            lo, hi = max(i * block - start, 0), max((i + 1) * block - start, 0)
+            local[i] |= bool(m[:, lo:hi].any())
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, n).any(axis=0)
+    return local
+
+
+# ------------------------------------------------------------------------------------- device steps
+
+def _pad_rows(mb, *, length: int):
+    """Every [R, P] field padded with zeros to [R, length] (segment 0 and loss mask 0: inert padding)."""
+    return {k: jnp.pad(v, ((0, 0), (0, length - v.shape[1]))) for k, v in mb.items()}
+
+
+def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec):
+    """K, V [L, R, P, K, D] of every layer for the micro-batch's rows (a forward pass that keeps only them)."""
+    seg = mb["segment_ids"]
+
+    def attend(l, q, k, v, carry, xs_l):
+        o = attention(q, k, v, causal=True, window=cfg.sliding_window, q_segment_ids=seg, kv_segment_ids=seg,
+                      implementation=spec.attention_impl)
+        return o, carry, (k, v)
+
+    _, _, (k, v) = decoder_stack(params, cfg, params.embed[mb["tokens"]], mb["positions"], attend)
+    return k, v
+
+
+def _zeros_like_kv(hist_k):
+    z = jnp.zeros(hist_k.shape, jnp.float32)
+    return z, z
+
+
+def _zero_acc(params):
+    return jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros((), jnp.float32) for k in STATS}
+
+
+def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: ModelConfig, spec: LossSpec,
+               block: int):
+    """One block (rows' tokens [start, start + block)): its loss's vjp with ∇C[block] as the cotangent of its
+    own K/V; returns (∇C_k, ∇C_v, (grad_sums, stats_sums)) with this block's contributions added."""
+    R = mb["tokens"].shape[0]
+    cut = lambda x: lax.dynamic_slice_in_dim(x, start, block, axis=1)     # noqa: E731
+    blk = {k: cut(v) for k, v in mb.items()}
+    seg, offset = mb["segment_ids"], jnp.full((R,), start, jnp.int32)
+
+    def forward(params, hk, hv):
+        def attend(l, q, k, v, carry, xs_l):
+            hk_l, hv_l = xs_l
+            kk = lax.dynamic_update_slice_in_dim(hk_l.astype(k.dtype), k, start, axis=1)
+            vv = lax.dynamic_update_slice_in_dim(hv_l.astype(v.dtype), v, start, axis=1)
+            o = attention(q, kk, vv, q_offset=offset, causal=True, window=cfg.sliding_window,
+                          q_segment_ids=blk["segment_ids"], kv_segment_ids=seg, implementation=spec.attention_impl)
+            return o, carry, (k, v)
+
+        h, _, kv = decoder_stack(params, cfg, params.embed[blk["tokens"]], blk["positions"], attend,
+                                 xs=(hk, hv), remat=spec.remat)
+        loss, sums = hidden_loss(params, cfg, spec, h, blk)
+        return (loss, kv), sums
+
+    (loss, (kb, vb)), vjp, sums = jax.vjp(forward, params, hist_k, hist_v, has_aux=True)
+    own = lambda g, like: lax.dynamic_slice_in_dim(g, start, block, axis=2).astype(like.dtype)  # noqa: E731
+    g_params, g_hk, g_hv = vjp((jnp.ones_like(loss), (own(grad_k, kb), own(grad_v, vb))))
+    grads, stats = acc
+    acc = (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads, g_params), jax.tree.map(jnp.add, stats, sums))
+    return grad_k + g_hk.astype(jnp.float32), grad_v + g_hv.astype(jnp.float32), acc
+
+
+# ---------------------------------------------------------------------------------------- the updater
+
+class BlockwiseUpdater(Updater):
+    """`Updater` whose gradient sums come from `block_step` over each micro-batch (module docstring).
+
+    update(params, opt_state, mbs, denominator=1.0, kv=None) -> (params, opt_state, metrics); `kv` is one
+    (K, V) [L, R, P, K, D] per micro-batch for kv_source="rollout" (None: recomputed). After an update,
+    `last` holds the blockwise metrics of it: blocks run and skipped."""
+
+    def __init__(self, cfg: ModelConfig, spec: LossSpec, tx, *, block_size: int, kv_source: str = "recompute",
+                 **kw):
+        super().__init__(cfg, spec, tx, **kw)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+        if kv_source not in KV_SOURCES:
+            raise ValueError(f"kv_source={kv_source!r}; valid choices: {', '.join(KV_SOURCES)}")
+        self.cfg, self.block, self.kv_source = cfg, block_size, kv_source
+        self.kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec))
+        self.step_fn = jax.jit(functools.partial(block_step, cfg=cfg, spec=spec, block=block_size),
+                               donate_argnums=(4, 5, 6))
+        self.zero_kv = jax.jit(_zeros_like_kv)
+        self.zero_acc = jax.jit(_zero_acc)
+        self.pad = jax.jit(_pad_rows, static_argnames=("length",))
+        self.last = {"blocks": 0, "skipped": 0}
+
+    def padded_len(self, P: int) -> int:
+        return -(-P // self.block) * self.block
+
+    def _prepare(self, mb):
+        P = self.padded_len(mb["tokens"].shape[1])
+        return mb if P == mb["tokens"].shape[1] else self.cache("pad", self.pad, mb, length=P)
+
+    def update(self, params, opt_state, mbs: list[dict], denominator: float = 1.0, kv=None):
+        grads, stats = self.gradients(params, mbs, kv)
+        return self.cache("apply", self.apply, params, opt_state, grads, float(denominator), stats)
+
+    def gradients(self, params, mbs: list[dict], kv=None):
+        """(grad_sums, stats_sums) over the micro-batches: `grad_step`'s contract, computed blockwise."""
+        if kv is None and self.kv_source == "rollout":
+            raise ValueError("kv_source='rollout' needs the rollout's K/V for every micro-batch")
+        acc = self.cache("zero_acc", self.zero_acc, params)
+        blocks = skipped = 0
+        for j, raw in enumerate(mbs):
+            plan = plan_blocks(blocks_with_loss(raw["loss_mask"], self.block), self.block, self.cfg.sliding_window,
+                               self.cfg.num_layers)
+            n = -(-raw["tokens"].shape[1] // self.block)
+            blocks, skipped = blocks + len(plan), skipped + n - len(plan)
+            if not plan:
+                continue
+            mb = self._prepare(raw)
+            hk, hv = self.cache("kv", self.kv_fn, params, mb) if kv is None else kv[j]
+            gk, gv = self.cache("zero_kv", self.zero_kv, hk)
+            for i in plan:
+                gk, gv, acc = self.cache("block", self.step_fn, params, mb, hk, hv, gk, gv, acc,
+                                         np.int32(i * self.block))
+        self.last = {"blocks": blocks, "skipped": skipped}
+        return acc
+
+    def warm(self, params, opt_state, mb: dict, logp_params=(), kv=None) -> int:
+        """Compile every executable `update`/`logprobs` runs on micro-batches shaped like `mb` (arrays or
+        ShapeDtypeStructs with shardings), following output shardings to a fixed point; nothing runs.
+        `kv`: abstract (K, V) of the rollout's cache (kv_source="rollout"). Returns new compilations."""
+        before = self.cache.compiles
+        p, o, mb = _abstract(params), _abstract(opt_state), _abstract(mb)
+        logp_mb = {k: mb[k] for k in FIELDS}
+        for extra in logp_params:
+            self.cache.compile("logp", self.logp, _abstract(extra), logp_mb)
+        P = self.padded_len(mb["tokens"].shape[1])
+        if P != mb["tokens"].shape[1]:
+            mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
+        for _ in range(3):
+            self.cache.compile("logp", self.logp, p, logp_mb)
+            acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p))
+            hk, hv = _abstract(kv) if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb))
+            gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk))
+            start = np.int32(0)
+            for _ in range(3):      # the step's outputs feed it again: follow them until they repeat
+                out = _out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start))
+                if self.cache.key("x", out) == self.cache.key("x", (gk, gv, acc)):
+                    break
+                gk, gv, acc = out
+            new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc[0], 1.0, acc[1]))
+            if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
+                break
+            p, o = new_p, new_o
+        return self.cache.compiles - before
+

@@ -1,0 +1,103 @@
+"""The rollout's K/V as MetroRLHF's cache (`trainer.kv_source=rollout`): every finished sequence's K/V, exported
+by the engine on its instance's devices (`rollout.SequenceKV`), moved to the train mesh and gathered into the
+packed layout of each fixed-shape micro-batch, [layers, rows, row length, kv heads, head dim], without a host
+round trip.
+
+    stager = KVStager(cfg, mesh, capacity_tokens, dtype)
+    offsets = stager.stage([c.kv for c in completions])            # device_put to the train mesh + write
+    k, v = stager.packed(stager.index(rows, offsets, lengths, mb_rows, row_len))   # one micro-batch's cache
+
+Shapes stay bounded: the staging buffers have a fixed capacity (the step's sequences at their bucketed
+exported lengths, plus one zero slot), a sequence is written with one jitted update per exported shape (a
+`fine_bucket` of pages), and the gather has the micro-batch's fixed shape. Slots that hold no cached K/V
+(row padding, each sequence's last token, whose K/V the engine never computes) point at the zero slot; the
+blockwise step never reads them as history (`jaxrl.train.blockwise`: a block reads only earlier positions of
+its own segments).
+
+Numerics: the cache holds the engine's K/V (its prefill/decode kernels, the cache dtype), the train step
+computes the block's own K/V with the train forward; the difference to kv_source=recompute is measured in
+tests/test_blockwise_rollout.py and the README. Valid on-policy only (the config refuses it otherwise).
+
+Simplified / left out: the staging buffers are replicated over the train mesh's devices (a production
+version would put each sequence on the data shard that trains it); single process only (the config refuses
+a multi-process run: each process's instances hold only its own sequences).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import ModelConfig
+
+
+@jax.jit
+def _write(buf, x, offset):
+    return lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), offset, axis=1)
+
+
+class KVStager:
+    """Fixed-capacity K/V staging on the train mesh; `packed` gathers micro-batches out of it."""
+
+    def __init__(self, cfg: ModelConfig, mesh, capacity_tokens: int, dtype):
+        self.capacity = int(capacity_tokens)
+        self.zero = self.capacity                        # one extra, never-written slot of zeros
+        self.stage_sharding = NamedSharding(mesh, P())
+        self.out_sharding = NamedSharding(mesh, P(None, ("dp", "fsdp"), None, None, None))
+        shape = (cfg.num_layers, self.capacity + 1, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.stage_sharding)
+        self.k, self.v = zeros(), zeros()
+        self._gather = jax.jit(lambda k, v, idx: (k[:, idx], v[:, idx]),
+                               out_shardings=(self.out_sharding, self.out_sharding))
+        self._write = jax.jit(_write, donate_argnums=(0,), out_shardings=self.stage_sharding)
+
+    def stage(self, seqs) -> list[int]:
+        """Write each `SequenceKV` into the buffers (from offset 0: a new step); returns their offsets."""
+        offsets, off = [], 0
+        for s in seqs:
+            n = s.k.shape[1]
+            if off + n > self.capacity:
+                raise ValueError(f"rollout K/V of {len(seqs)} sequences exceed the staging capacity "
+                                 f"{self.capacity} tokens")
+            k = jax.device_put(s.k, self.stage_sharding)          # on-device reshard from the instance
+            v = jax.device_put(s.v, self.stage_sharding)
+            self.k, self.v = self._write(self.k, k, np.int32(off)), self._write(self.v, v, np.int32(off))
+            offsets.append(off)
+            off += n
+        return offsets
+
+    def index(self, rows: list[list[int]], offsets: list[int], cached: list[int], lengths: list[int],
+              first_row: int, n_rows: int, row_len: int) -> np.ndarray:
+        """[n_rows, row_len] staging slots of micro-batch rows first_row.. (the packing `rows`: sample indices
+        in row order; `lengths[i]` tokens of sample i, the first `cached[i]` of them cached)."""
+        idx = np.full((n_rows, row_len), self.zero, np.int32)
+        for r in range(n_rows):
+            off = 0
+            for i in rows[first_row + r] if first_row + r < len(rows) else ():
+                idx[r, off:off + cached[i]] = offsets[i] + np.arange(cached[i])
+                off += lengths[i]
+        return idx
+
+    def packed(self, idx: np.ndarray):
+        """(K, V) [layers, rows, row_len, kv_heads, head_dim] of one micro-batch, rows on the data axes."""
+        return self._gather(self.k, self.v, jax.device_put(idx, NamedSharding(self.out_sharding.mesh, P())))
+
+    def warm(self, page_size: int, max_pages: int, n_rows: int, row_len: int):
+        """Run every write shape (each exported page bucket) and the micro-batch gather once, on zeros, so a run
+        compiles none of them later (the buffers are overwritten from offset 0 every step)."""
+        from jaxrl.rollout.shapes import fine_bucket
+
+        L, _, K, D = self.k.shape
+        for b in sorted({fine_bucket(p) for p in range(1, max_pages + 1)}):
+            x = jax.device_put(np.zeros((L, b * page_size, K, D), self.k.dtype), self.stage_sharding)
+            self.k, self.v = self._write(self.k, x, np.int32(0)), self._write(self.v, x, np.int32(0))
+        jax.block_until_ready(self.packed(np.full((n_rows, row_len), self.zero, np.int32)))
+
+    def abstract(self, n_rows: int, row_len: int):
+        """ShapeDtypeStructs of `packed`'s outputs (for warm-up)."""
+        L, _, K, D = self.k.shape
+        s = jax.ShapeDtypeStruct((L, n_rows, row_len, K, D), self.k.dtype, sharding=self.out_sharding)
+        return s, s
