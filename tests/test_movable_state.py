@@ -117,14 +117,14 @@ def test_migrated_kv_equals_source_kv(weights, prompts):
         svc.step()
     svc.pause()
     src = svc.instances[0]
-    before = {rid: src.kv.export(src.sched.find(rid).pages, src.sched.find(rid).computed) for rid in ids}
+    before = {rid: src.kv.export(src.sched.find(rid).pages, src.sched.find(rid).computed).numpy() for rid in ids}
     shared_before = src.pool.used
     rep = svc.attach(svc.detach(ids), instance=1)
     dst = svc.instances[1]
     assert rep.pages_moved == shared_before == dst.pool.used        # distinct pages only: sharing kept
     for rid in ids:
         s = dst.sched.find(rid)
-        k, v = dst.kv.export(s.pages, s.computed)
+        k, v = dst.kv.export(s.pages, s.computed).numpy()
         np.testing.assert_array_equal(k, before[rid][0])
         np.testing.assert_array_equal(v, before[rid][1])
 
