@@ -49,13 +49,18 @@ PACKED = [(5, 6), (4, 8), (3, 5), (6, 4), (7, 9), (3, 4), (5, 7), (2, 5), (4, 3)
 
 
 def assert_grads_close(got, want, rel=REL_F32, zero_ok=False):
-    """Per tensor max |got - want| <= rel * max |want|; a tensor whose full gradient is exactly zero (only
-    allowed with `zero_ok`) must be exactly zero blockwise too."""
+    """Per tensor max |got - want| <= rel * max |want|. A tensor whose full gradient is exactly zero (only
+    allowed with `zero_ok`) must be zero blockwise to within rel * the largest gradient of any tensor: the
+    block attention's flash backward forms dS = P (dP - rowsum(dO O)), whose analytic zeros (W = 1: one
+    visible key, softmax 1) cancel to rounding (~1e-10 here), not bitwise as autodiff of the softmax does."""
     (g, s), (wg, ws) = got, want
+    top = max(np.abs(np.asarray(b)).max() for b in jax.tree.leaves(wg))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(wg)):
         a, b = np.asarray(a), np.asarray(b)
         scale = np.abs(b).max()
-        assert scale > 0 or (zero_ok and np.all(a == 0))
+        if scale == 0:
+            assert zero_ok and np.abs(a).max() <= rel * top, np.abs(a).max() / top
+            continue
         assert np.abs(a - b).max() <= rel * scale, (np.abs(a - b).max() / scale)
     for k in ws:
         assert float(s[k]) == pytest.approx(float(ws[k]), rel=1e-5, abs=1e-6), k
@@ -81,6 +86,15 @@ def test_blockwise_gradients_equal_full(cases, name, block):
     assert_grads_close(got, full)
     n = -(-PACK // block)
     assert up.last["blocks"] + up.last["skipped"] == n
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-window"])
+def test_attention_pairs_skip_inside_the_block_step(cases, monkeypatch, name):
+    """Chunk pairs of 4 (so each 8-token block's queries skip the key chunks after it, and the windowed
+    model those before its window, at run time): the same gradients."""
+    monkeypatch.setattr(blockwise, "PAIR_BLOCK", 4)
+    cfg, params, batch, full = cases[name]
+    assert_grads_close(BlockwiseUpdater(cfg, SPEC, _tx(), block_size=8).gradients(params, [batch]), full)
 
 
 def test_unfused_loss_path_and_two_micro_batches(cases):

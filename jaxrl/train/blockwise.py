@@ -48,10 +48,13 @@ That differs from the paper's Algorithm 1 in two ways, both measured in tests/te
     L·(W - 1) positions before the first answer token (for Qwen3-32B's 64 layers at W = 1024, 65K).
 With W = 1 only blocks with loss tokens run; without a window, every block up to the last one with loss tokens.
 
-Simplified / left out (said, not pretended done): the XLA attention path computes each block's queries
-against the whole P-key buffer (masked), so on the CPU a blockwise step does up to ~2x the attention
-FLOPs of the full step (the Pallas kernel skips the masked key blocks from the traced offset on GPU);
-the plan is per block index over all rows of a micro-batch (a row without loss tokens in block i still
+Attention over the buffer: with `attention_impl="xla"` the block's queries run in (query, key) chunk
+pairs of PAIR_BLOCK, the pairs after the block (or before the window) skipped at run time by `lax.cond`,
+with a flash backward that keeps no probability tiles (`kernels.attention_pairs`): a row's blocks
+together do about the full step's causal work, not the ~2x that attending to the whole masked P-key
+buffer costs; the Pallas kernel skips the same key blocks from the traced offset on GPU.
+
+Simplified / left out (said, not pretended done): the plan is per block index over all rows of a micro-batch (a row without loss tokens in block i still
 runs when another row has them); the reference and old-policy log-probs are computed by the ordinary
 forward (`Updater.logprobs`), not blockwise.
 """
@@ -67,6 +70,7 @@ import numpy as np
 from jax import lax
 
 from kernels import attention
+from kernels.attention_pairs import attention_pairs
 from models import ModelConfig, decoder_stack
 
 from .batch import FIELDS
@@ -74,6 +78,8 @@ from .step import STATS, LossSpec, hidden_loss
 from .update import Updater, _abstract, _out_abstract
 
 from jaxrl.config.train import BACKWARDS, KV_SOURCES  # noqa: E402,F401  (re-exported)
+
+PAIR_BLOCK = 512    # query and key chunk of the XLA block attention (`kernels.attention_pairs`)
 
 
 # ------------------------------------------------------------------------------------------- the plan
@@ -153,8 +159,12 @@ def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: M
             hk_l, hv_l = xs_l
             kk = lax.dynamic_update_slice_in_dim(hk_l.astype(k.dtype), k, start, axis=1)
             vv = lax.dynamic_update_slice_in_dim(hv_l.astype(v.dtype), v, start, axis=1)
-            o = attention(q, kk, vv, q_offset=offset, causal=True, window=cfg.sliding_window,
-                          q_segment_ids=blk["segment_ids"], kv_segment_ids=seg, implementation=spec.attention_impl)
+            masks = dict(causal=True, window=cfg.sliding_window, q_segment_ids=blk["segment_ids"],
+                         kv_segment_ids=seg)
+            if spec.attention_impl == "xla":      # skip the key chunks after the block (traced start)
+                o = attention_pairs(q, kk, vv, q_offset=start, **masks, block_q=PAIR_BLOCK, block_k=PAIR_BLOCK)
+            else:
+                o = attention(q, kk, vv, q_offset=offset, **masks, implementation=spec.attention_impl)
             return o, carry, (k, v)
 
         h, _, kv = decoder_stack(params, cfg, params.embed[blk["tokens"]], blk["positions"], attend,
