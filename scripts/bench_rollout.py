@@ -86,6 +86,25 @@ def run_hf(model, prompts, new_tokens: int):
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
+def decode_flops(cfg, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Model FLOPs of generating `new_tokens` for `batch` rows: 2 per matmul weight per token (layers and
+    lm_head) plus attention's 4·heads·head_dim per layer per context key (context grows from prompt_len)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    layer = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
+    dense = 2 * (cfg.num_layers * layer + h * cfg.vocab_size)
+    mean_context = prompt_len + (new_tokens - 1) / 2
+    attention = 4 * cfg.num_layers * cfg.num_heads * d * mean_context
+    return batch * new_tokens * (dense + attention)
+
+
+def _peak_gflops() -> float | None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_peak", Path(__file__).resolve().parent / "bench_peak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return ((mod.load_peak() or {}).get("peak_gflops") or {}).get("float32")
+
+
 def bench_cpu(args) -> dict:
     import jax
     import numpy as np
@@ -103,6 +122,7 @@ def bench_cpu(args) -> dict:
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     rows = []
+    peak = _peak_gflops()
     for B in args.batches:
         prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
         first, _, _ = run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu)     # compiles
@@ -118,6 +138,8 @@ def bench_cpu(args) -> dict:
                "ours_s": t_ours, "hf_s": t_hf, "ours_compile_s": max(0.0, first - t_ours),
                "ours_decode_ms_per_step": 1e3 * statistics.median(ours[0][1][1:]) if len(ours[0][1]) > 1 else None,
                "greedy_token_agreement": agree}
+        row["ours_gflops"] = decode_flops(cfg, B, args.prompt_len, args.new_tokens) / t_ours / 1e9
+        row["peak_fraction"] = row["ours_gflops"] / peak if peak else None
         rows.append(row)
         print(f"batch {B}: ours {row['ours_tok_s']:.1f} tok/s, hf {row['hf_tok_s']:.1f} tok/s, "
               f"ratio {row['ratio']:.2f} (compile {row['ours_compile_s']:.1f}s, agreement {agree:.3f})", flush=True)
@@ -185,9 +207,12 @@ def _timed(fn) -> float:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| batch | ours tok/s | transformers tok/s | ratio |", "|---:|---:|---:|---:|"]
+    lines = ["| batch | ours tok/s | transformers tok/s | ratio | ours GFLOP/s | of peak |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f} |")
+        frac = f"{100 * r['peak_fraction']:.0f}%" if r.get("peak_fraction") else "-"
+        lines.append(f"| {r['batch']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f} | "
+                     f"{r.get('ours_gflops', 0):.1f} | {frac} |")
     g = result.get("gpu")
     if g:
         lines.append(f"\nGPU ({g['device']}), llama3.1-8b bf16, batch 1: {g['decode_ms_per_token']:.2f} ms/token, "

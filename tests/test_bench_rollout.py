@@ -15,6 +15,16 @@ def _load():
     return mod
 
 
+def test_decode_flops_counts_weights_and_attention():
+    """2 FLOPs per matmul weight per token plus 4·heads·head_dim per layer per context key (by hand)."""
+    import models
+    cfg = models.PRESETS["tiny-qwen3"]
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    layer = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
+    per_token = 2 * (L * layer + h * cfg.vocab_size) + 4 * L * cfg.num_heads * d * (10 + 1.5)
+    assert _load().decode_flops(cfg, 3, 10, 4) == 3 * 4 * per_token
+
+
 def test_quick_run_writes_schema(tmp_path):
     out = tmp_path / "bench.json"
     _load().main(["--out", str(out), "--quick", "--gpu-8b"])
@@ -25,6 +35,8 @@ def test_quick_run_writes_schema(tmp_path):
         for key in ("ours_tok_s", "hf_tok_s", "ratio", "ours_compile_s"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (key, r)
         assert r["greedy_token_agreement"] == 1.0   # same weights, same greedy function
+        assert math.isfinite(r["ours_gflops"]) and r["ours_gflops"] > 0
+        assert r["peak_fraction"] is None or r["peak_fraction"] > 0
     env = result["environment"]
     assert {"jax", "torch", "cpu_cores"} <= set(env)
     assert "gpu" in result and (result["gpu"] is not None or result["gpu_reason"])
