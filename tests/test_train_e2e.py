@@ -64,9 +64,18 @@ def test_run_dir_contents(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["0", "1", "2"]
 
 
-def test_kill_and_resume_is_bit_identical(tmp_path):
+# Tail batching (RollPacker) with eta_prompts 1.5: 12 prompts drawn, 8 trained, 4 queued per short round, so
+# steps 0, 1 are short rounds, step 2 a long one (the 8 queued prompts), step 3 short again.
+TAIL = ["rollout.tail_batching.enabled=true", "rollout.tail_batching.eta_prompts=1.5"]
+TAIL_KINDS = [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["sync", "tail_batching"])
+def test_kill_and_resume_is_bit_identical(tmp_path, tail):
+    """Killed after checkpoint 2 (with tail batching: a queue of 8 prompts in it), resumed: the same
+    final weights and per-step metrics as an uninterrupted run."""
     full, killed = tmp_path / "full", tmp_path / "killed"
-    args = ["steps=4", "save_every=1"]
+    args = ["steps=4", "save_every=1"] + TAIL * tail
     _train(full, *args)
     cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={killed}", *TINY, *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,22 +91,36 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     for a, b in zip(_params(full), _params(killed)):
         np.testing.assert_array_equal(a, b)
     assert [r["reward_mean"] for r in _metrics(full)] == [r["reward_mean"] for r in _metrics(killed)]
+    if tail:
+        rows = _metrics(killed)
+        assert [r["tail/long_round"] for r in rows] == TAIL_KINDS and rows[1]["tail/queue_len"] == 8
+        for key in ("tail/queue_len", "tail/aborted_responses", "tail/wasted_tokens", "response_len_max"):
+            assert [r[key] for r in _metrics(full)] == [r[key] for r in rows], key
 
 
-def test_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("tail", [False, True], ids=["sync", "tail_batching"])
+def test_two_processes_equal_one(tmp_path, tail):
+    """With tail batching the two processes also agree with one on every round's accepted prompts and the
+    queue (the race is decided on lengths, the queue is global)."""
     one, two = tmp_path / "one", tmp_path / "two"
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
     # a sign there), amplifying that noise to ~1e-5; eps=1e-3 keeps the update continuous in the
     # gradient, so "within float tolerance" is what is actually compared.
     common = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3"]
+    common += (TAIL + ["steps=3"]) * tail         # steps 0, 1 short, step 2 the long round
     _train(one, *common, "engine.instances=8")
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
            *TINY, *common, "engine.instances=4"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     m1, m2 = _metrics(one), _metrics(two)
-    for key in ("reward_mean", "response_len_mean", "response_len_max", "pass_rate"):
+    keys = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate"]
+    if tail:
+        keys += ["tail/long_round", "tail/queue_len", "tail/queued", "tail/prompts_trained", "tail/aborted_responses",
+                 "tail/wasted_tokens"]
+        assert [r["tail/long_round"] for r in m1] == TAIL_KINDS[:3]
+    for key in keys:
         assert [r[key] for r in m1] == [r[key] for r in m2], key      # the same rollouts
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
@@ -134,3 +157,15 @@ def test_quickstart_metrics_unchanged(tmp_path, backward):
         if step:      # bounded shapes: everything was compiled by the warm-up before step 0 finished
             assert row["compiles"] == 0, (step, row["compiles"])
         assert (row.get("blockwise/blocks", 0) > 0) == (backward != "full")
+
+
+def test_planner_raises_and_lowers_tp(tmp_path):
+    """RollPacker's planner in a run whose KV budget makes TP1 preempt: TP goes 1 -> 2 after the preempting
+    step, back to 1 after a calm one (calm_steps=1), and up again; the layout rides on the weight sync."""
+    _train(tmp_path, "steps=3", "save_every=null", "export_hf=false", "engine.planner.enabled=true",
+           "engine.planner.calm_steps=1", "engine.instances=2", "train_layout.fsdp=2",
+           "engine.kv_bytes_per_device=3900000")       # tiny-char: 3.2 MB of weights + ~20 pages at TP1, ~138 at TP2
+    rows = _metrics(tmp_path)
+    assert [r["planner/tp"] for r in rows] == [2, 1, 2]
+    assert [r["preemptions"] > 0 for r in rows] == [True, False, True]
+    assert [r["planner/instances"] for r in rows] == [1, 2, 1]

@@ -11,7 +11,7 @@ from .base import ConfigError, Section, check_choice, check_float, check_int, ch
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
-from .generate import EngineSection, SamplingSection
+from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
 
 # Choices come from the `jaxrl.algos` registries (one list of names, not a copy). "gae" is left out of
@@ -243,8 +243,8 @@ class TrainConfig(Section):
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     train_layout: LayoutSection = dataclasses.field(default_factory=LayoutSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
-    rollout: SamplingSection = dataclasses.field(default_factory=SamplingSection)
-    engine: EngineSection = dataclasses.field(default_factory=EngineSection)
+    rollout: TrainSamplingSection = dataclasses.field(default_factory=TrainSamplingSection)
+    engine: TrainEngineSection = dataclasses.field(default_factory=TrainEngineSection)
     algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)

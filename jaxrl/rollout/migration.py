@@ -139,8 +139,11 @@ def _delete(tree, keep: set[int]):
 
 
 def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int | None,
-             probe: Callable[[], None] | None = None):
-    """Rebuild `svc`'s instances on the device `groups` (see module docstring). Returns (instances, report)."""
+             probe: Callable[[], None] | None = None, weights=None):
+    """Rebuild `svc`'s instances on the device `groups` (see module docstring). Returns (instances, report).
+    `weights` (this process's arrays, any layout): the new instances' weights come from them instead of the
+    old rollout copy, which is then freed — a weight sync riding the relayout (one reshard, not two); the
+    caller's arrays are never freed or donated."""
     probe = probe or (lambda: None)
     old = svc.instances
     compiles0 = old[0].executor.cache.compiles
@@ -156,10 +159,13 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
     for inst in old:                                            # 3. free old pools and redundant weights
         inst.kv.delete()
     probe()
-    src_w, external = old[0].weights, old[0].external
+    if weights is None:
+        src_w, external, stale = old[0].weights, old[0].external, old[1:]
+    else:
+        src_w, external, stale = weights, buffers(weights), old
     src_buf = buffers(src_w)
-    for inst in old[1:]:
-        _delete(inst.weights, src_buf | inst.external)
+    for inst in stale:
+        _delete(inst.weights, src_buf | inst.external | external)
     probe()
     new, weight_bytes, held = [], 0, set()
     for j, devs in enumerate(groups):                           # 4. weights, 5. instances

@@ -55,3 +55,26 @@ def global_max(x: int) -> int:
         return int(x)
     from jax.experimental import multihost_utils
     return int(np.max(multihost_utils.process_allgather(np.asarray([x], np.int64))))
+
+
+def allgather(x) -> np.ndarray:
+    """A small host array of every process, stacked on a new first axis (in process order); one process:
+    `x[None]`. Every process must call it with the same shape. Across processes the values travel as JAX
+    arrays: with x64 off (the default) int64/float64 come back as int32/float32."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x)).reshape(jax.process_count(), *x.shape)
+
+
+def gather_ragged(x) -> np.ndarray:
+    """The concatenation, in process order, of a 1-D host array whose length differs per process."""
+    x = np.asarray(x).ravel()
+    if jax.process_count() == 1:
+        return x
+    n = allgather(np.asarray([len(x)], np.int64))[:, 0]
+    padded = np.zeros(int(n.max()), x.dtype)
+    padded[:len(x)] = x
+    every = allgather(padded)
+    return np.concatenate([every[p, :k] for p, k in enumerate(n)])

@@ -43,47 +43,85 @@ def uses_rollout_kv(cfg: TrainConfig) -> bool:
 
 
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
-                      rows: list[dict], step: int, eos_ids) -> tuple[list[Completion], np.ndarray, dict]:
-    """All samples of all local prompts, prompt-major (row p*G + g), with their rewards.
+                      rows: list[dict], step: int, eos_ids, *, race=None, responses: int | None = None,
+                      params_fn=None) -> tuple[list[Completion], np.ndarray, dict]:
+    """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
     rest of the rollout (the long tail especially). Returns (completions, rewards [P*G] float32,
-    {"items", "timeouts", "crashes", "first_error", "seconds"}) where seconds is the wait for rewards
-    after the last completion; crashes and timeouts score 0 and are counted, and first_error is the first
-    failure to come back, as "<status> in <reward name>: <cause>" ("" when none failed).
+    {"items", "timeouts", "crashes", "first_error", "seconds", "engine_steps", ...}) where seconds is the
+    wait for rewards after the last completion; crashes and timeouts score 0 and are counted, and
+    first_error is the first failure to come back, as "<status> in <reward name>: <cause>" ("" when none
+    failed).
+
+    `race` (tail batching, `jaxrl.rollout.tail_batching.Race`): `responses` are launched per prompt; after
+    every engine step the race is told the live lengths and the responses it gives up are aborted at once
+    (pages freed). Only the accepted prompts' kept responses come back (`stats["accepted"]`: their local
+    prompt indices) and only theirs are waited for; the stats count the aborted responses and tokens and
+    the decoded tokens thrown away (aborted + finished but not kept).
+
+    `params_fn(row, params) -> SamplingParams` may adjust each prompt's request (benchmarks give each prompt
+    its own stop tokens).
     """
-    r, G = cfg.rollout, cfg.algo.group_size
-    order = []
+    r = cfg.rollout
+    G = responses or cfg.algo.group_size
+    rids = []
     for ids, row in zip(prompts, rows):
         params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])),
                          return_kv=uses_rollout_kv(cfg))
-        order += svc.add(ids, params)
-    slot = {rid: k for k, rid in enumerate(order)}
-    comps: list[Completion | None] = [None] * len(order)
-    rewards = np.zeros(len(order), np.float32)
-    waiting, statuses, first_error = {}, [], []
+        rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params)))
+    where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group)}
+    comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
+    scores = np.zeros((len(prompts), G), np.float32)
+    waiting, results, first_error = {}, {}, []
+    aborted = aborted_tokens = engine_steps = 0
 
-    def take(results):
-        for res in results:
-            k, name = waiting.pop(res.id)
-            rewards[k] = res.score
-            statuses.append(res.status)
+    def take(res_list):
+        for res in res_list:
+            got = waiting.pop(res.id, None)
+            if got is None:          # a response given up after it was submitted
+                continue
+            (p, j), name = got
+            scores[p, j] = res.score
+            results[p, j] = res.status
             if res.status != "ok" and not first_error:
                 first_error.append(f"{res.status} in {name}: {res.error}")
 
-    for c in svc.stream():
-        k = slot[c.request_id]
-        comps[k] = c
-        row = rows[k // G]
-        name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
-        waiting[pool.submit((name, tokenizer.decode(c.tokens), row["answer"], row["task"]))] = (k, name)
+    while svc.has_work():
+        engine_steps += 1
+        for c in svc.step():
+            p, j = where[c.request_id]
+            comps[p][j] = c
+            if race is not None:
+                race.finished(p, j, len(c.tokens))
+            row = rows[p]
+            name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
+            waiting[pool.submit((name, tokenizer.decode(c.tokens), row["answer"], row["task"]))] = ((p, j), name)
         take(pool.poll())
+        if race is not None:
+            for s in svc.sequence_stats():
+                race.progress(*where[s["request_id"]], s["generated"])
+            for p, j in race.poll():
+                partial = svc.abort(rids[p][j])
+                if partial is not None:
+                    aborted += 1
+                    aborted_tokens += len(partial.tokens)
+    accepted = list(range(len(prompts))) if race is None else race.accepted
+    kept = [(p, j) for p in accepted for j in (range(G) if race is None else race.kept(p))]
+    wanted = set(kept)
+    for key in [k for k, (pj, _) in waiting.items() if pj not in wanted]:
+        del waiting[key]                       # scored for nothing; their results are dropped on arrival
     t0 = time.perf_counter()
     while waiting:
         take(pool.poll(timeout=1.0))
+    statuses = [results[pj] for pj in kept]
+    wasted = sum(len(c.tokens) for p, row in enumerate(comps) for j, c in enumerate(row)
+                 if c is not None and (p, j) not in wanted)
     stats = dict(items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
-                 first_error=first_error[0] if first_error else "", seconds=time.perf_counter() - t0)
-    return comps, rewards, stats
+                 first_error=first_error[0] if first_error else "", seconds=time.perf_counter() - t0,
+                 engine_steps=engine_steps, accepted=accepted, aborted=aborted, aborted_tokens=aborted_tokens,
+                 wasted_tokens=wasted + aborted_tokens)
+    return [comps[p][j] for p, j in kept], np.asarray([scores[p, j] for p, j in kept], np.float32), stats
 
 
 class RewardsFailedError(RuntimeError):

@@ -6,9 +6,11 @@
     warm-up: every rollout step shape (the instances' bounded buckets) and the update's executables
              over its fixed micro-batch shape are compiled, so the RL steps compile nothing
     warm start (optional): supervised steps on the built-in tasks' demonstrations (skipped for other data)
-    each RL step: prompts -> rollout -> rewards -> advantages -> packed global batch
-             -> fixed-shape micro-batches -> [reference / old log-probs] -> update(s) -> weights
-             resharded into the rollout instances
+    each RL step: prompts (tail batching: a short round's speculative draw, or a long round from the
+             long-prompt queue) -> rollout (the short round's race aborts the slow responses and prompts)
+             -> rewards -> advantages -> packed global batch -> fixed-shape micro-batches
+             -> [reference / old log-probs] -> update(s) -> weights resharded into the rollout instances
+             (with the planner: on the TP layout it picked for the next round type)
     end:     checkpoint, HF export (weights, tokenizer, generation config), curves.png
 
 A run that fails before its first RL step completes leaves nothing a later run would resume from: its
@@ -19,7 +21,6 @@ Every stage lives in its own module; this file only orders them, times them and 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -27,7 +28,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
@@ -35,7 +35,7 @@ from jaxrl.config import to_yaml
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards import check_rewards, reward_names
 from jaxrl.runtime import CompileCounter
-from jaxrl.data import DataLoader, PromptDataset, encode_demonstrations, encode_prompts
+from jaxrl.data import DataLoader, PromptDataset, encode_prompts
 from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
@@ -44,10 +44,14 @@ from .batch import FIELDS, INT_FIELDS, Sample
 from .blockwise import BlockwiseUpdater
 from .rollout_kv import KVStager
 from jaxrl.rollout.shapes import fine_bucket
+from jaxrl.rollout.planner import apply as apply_layout, total_preemptions
+from jaxrl.rollout.tail_batching import Race, TailBatcher
 from .checkpoint import CheckpointManager
 from .curves import plot_run
-from .distributed import global_sum
+from .distributed import allgather, global_sum
 from .metrics import MetricsLogger, Profiler
+from .step_metrics import step_metrics, tail_metrics
+from .warm_start import supervised_warm_start
 from .optim import init_state
 from .preflight import ResumePlan, StartupError, check_tokenizer, plan_resume, write_config
 from .step import make_logprob_fn, make_train_step
@@ -113,6 +117,7 @@ class Trainer:
             self.logprob_fn = make_logprob_fn(self.model_cfg, self.spec)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices())
+        self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp)    # RollPacker: per-step rollout TP
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
         self.resumed = self._maybe_resume()
@@ -147,7 +152,14 @@ class Trainer:
         n_proc = jax.process_count()
         if cfg.algo.prompts_per_step % n_proc:
             raise SystemExit(f"algo.prompts_per_step={cfg.algo.prompts_per_step} must divide over {n_proc} processes")
-        self.loader = DataLoader(ds, cfg.algo.prompts_per_step // n_proc, process_index=jax.process_index(),
+        per_step = cfg.algo.prompts_per_step // n_proc
+        tb = cfg.rollout.tail_batching
+        self.tail = None
+        if tb.enabled:     # RollPacker: short rounds draw eta_prompts x more rows; long rounds draw none
+            self.tail = TailBatcher(cfg.algo.prompts_per_step, cfg.algo.group_size, tb.eta_prompts, tb.eta_responses,
+                                    process_index=jax.process_index(), process_count=n_proc, gather=allgather)
+            per_step = self.tail.launch
+        self.loader = DataLoader(ds, per_step, process_index=jax.process_index(),
                                  process_count=n_proc, shuffle=d.shuffle, seed=cfg.seed)
 
     def _state(self):
@@ -158,6 +170,10 @@ class Trainer:
 
     def _save(self):
         meta = {"step": self.step, "loader": self.loader.state_dict(), "config": to_yaml(self.cfg)}
+        if self.tail:
+            meta["tail"] = self.tail.state_dict()      # the long-prompt queue (global, same on every process)
+        if self.planner:
+            meta["planner"] = self.planner.state_dict()
         self.ckpt.save(self.step, self._state(), meta)
 
     def _maybe_resume(self) -> bool:
@@ -175,7 +191,11 @@ class Trainer:
         self.ref_params = state.get("ref_params")
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
-        self.svc.update_weights(self.params)
+        if self.tail:
+            self.tail.load_state_dict(meta.get("tail", {"queue": [], "rounds": {"short": 0, "long": 0}}))
+        if self.planner and "planner" in meta:
+            self.planner.load_state_dict(meta["planner"])
+        self._sync_weights()
         if self.is_main:
             print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
         return True
@@ -183,53 +203,32 @@ class Trainer:
     # ----------------------------------------------------------------------------------- warm start
     def warm_start(self):
         """Supervised steps on demonstrations (built-in tasks), before RL; skipped on resume."""
-        w = self.cfg.warm_start
-        if w.steps == 0 or self.resumed:
+        if self.cfg.warm_start.steps == 0 or self.resumed:
             return
-        from jaxrl.data.tasks import BUILTIN_TASKS
-
-        other = sorted({row["task"] for row in self.dataset} - set(BUILTIN_TASKS))
-        if other:
-            if self.is_main:
-                print(f"[train] warm start skipped: it supervises the built-in tasks only, and the data has task "
-                      f"{other[0]!r} (set warm_start.steps=0 to silence this)", flush=True)
-            return
-        tx, _ = w.optim.build(w.steps)
-        opt = init_state(tx, self.params, self.shardings, self.mesh)
-        sft = self.cfg.algo.build(temperature=1.0, trainer=self.cfg.trainer, kind="sft")
-        updater = Updater(self.model_cfg, sft, tx) if self.updater else None
-        step_fn = None if updater else make_train_step(self.model_cfg, sft, tx, 1)
-        if w.batch_size % jax.process_count():
-            raise SystemExit(f"warm_start.batch_size={w.batch_size} must divide over {jax.process_count()} processes")
-        loader = DataLoader(self.dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
-                            process_count=jax.process_count(), seed=self.cfg.seed + 1)
-        sft_cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(  # NLL: token-mean, one update per batch
-            self.cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1))
-        bar = tqdm(range(w.steps), desc="warm start", disable=not self.is_main)
-        for i in bar:
-            pairs = encode_demonstrations(next(loader), self.tokenizer, self.cfg.data.chat)
-            samples = [Sample(p, r, 0.0) for p, r in pairs]
-            if updater:
-                mbs = rl.micro_batches(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens,
-                                       self.mb_rows)
-                self.params, opt, m = updater.update(self.params, opt, mbs)
-            else:
-                batch = rl.global_batch(samples, sft_cfg, self.mesh, self.pack_len, self.cfg.rollout.max_new_tokens)
-                self.params, opt, m = step_fn(self.params, opt, batch, 1.0)   # weights carry the denominator
-            if i % 10 == 0 or i == w.steps - 1:
-                nll = float(m["nll"])
-                bar.set_postfix(nll=f"{nll:.3f}")
-                self.metrics.log_tb("warm_start/nll", nll, i)
+        self.params = supervised_warm_start(self.cfg, self.dataset, self.tokenizer, self.params, self.shardings,
+                                            self.mesh, self.pack_len, self.mb_rows if self.updater else None,
+                                            self.model_cfg, self.metrics, is_main=self.is_main)
         self.svc.update_weights(self.params)
 
     # ------------------------------------------------------------------------------------- RL step
     def rl_step(self) -> dict:
         cfg, G = self.cfg, self.cfg.algo.group_size
         t0 = time.perf_counter()
-        rows = next(self.loader)
+        plan = self.tail.plan(lambda: next(self.loader), self.dataset, self.step) if self.tail else None
+        rows = plan.rows if plan else next(self.loader)
         prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
+        race = (Race(plan.keys, plan.responses, plan.keep, plan.accept, gather=allgather)
+                if plan and plan.kind == "short" else None)        # tail batching's speculative short round
+        preempted = total_preemptions(self.svc)
         comps, rewards, rstats = rl.rollout_and_score(self.svc, self.pool, self.tokenizer, cfg, prompts, rows,
-                                                      self.step, self.tokenizer.eos_ids)
+                                                      self.step, self.tokenizer.eos_ids, race=race,
+                                                      responses=plan.responses if plan else None)
+        if plan:          # only the accepted prompts train; the short round's others join the long-prompt queue
+            rstats["queued"] = self.tail.settle(plan, rstats["accepted"], self.step)
+            prompts = [prompts[p] for p in rstats["accepted"]]
+        preempted = int(global_sum(total_preemptions(self.svc) - preempted))
+        if self.planner:         # this round type's next TP, from this step's preemptions (applied at the sync)
+            self.planner.decide(plan.kind if plan else "sync", preempted)
         self.reward_guard.update(rstats)         # raises after rewards.max_failed_steps all-failed steps
         t2 = time.perf_counter()
         t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
@@ -241,12 +240,34 @@ class Trainer:
         else:
             m = self._update_fused(samples)
         t3 = time.perf_counter()
-        self.svc.update_weights(self.params)
+        self._sync_weights()
         t4 = time.perf_counter()
         if int(m["skipped"]):
             log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
-        return self._metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
-                                                             sync_s=t4 - t3, step_seconds=t4 - t0))
+        out = step_metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
+                                                          sync_s=t4 - t3, step_seconds=t4 - t0),
+                           lr=float(self.lr(self.step * cfg.algo.mini_batches)), svc=self.svc)
+        out["preemptions"] = preempted
+        if plan:
+            out.update(tail_metrics(plan, rstats, lens, queue_len=len(self.tail.queue)))
+        if self.planner:
+            out.update(self.planner.metrics())
+        return out
+
+    def _sync_weights(self):
+        """The new weights into the rollout instances; with the planner, on the layout it chose for the next
+        step's round type (one reshard; a layout seen for the first time compiles its step set here)."""
+        if not self.planner:
+            self.svc.update_weights(self.params)
+            return
+        kind = self.tail.next_kind() if self.tail else "sync"
+        apply_layout(self.svc, self.planner.layout_for(kind), self.params,
+                     warm=self._rollout_params() if self.cfg.trainer.warmup else None)
+
+    def _rollout_params(self) -> list:
+        """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
+        return [self.cfg.rollout.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids,
+                                       return_kv=rl.uses_rollout_kv(self.cfg))]
 
     def _update(self, samples, kvs=None) -> dict:
         """Fixed-shape micro-batches: [reference / old log-probs per micro-batch], then `mini_batches`
@@ -303,9 +324,7 @@ class Trainer:
         if not self.cfg.trainer.warmup:
             return
         t0 = time.perf_counter()
-        r = self.cfg.rollout
-        n = self.svc.warm([r.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids,
-                                   return_kv=rl.uses_rollout_kv(self.cfg))])
+        n = self.svc.warm(self._rollout_params())
         if self.updater:
             sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
             keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * (self.cfg.algo.mini_batches > 1)
@@ -325,25 +344,6 @@ class Trainer:
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
             print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s",
                   flush=True)
-
-    def _metrics(self, rewards, lens, rstats, m, times) -> dict:
-        from jax.experimental import multihost_utils
-        all_r = np.asarray(rewards, np.float64)
-        all_l = np.asarray(lens, np.float64)
-        if jax.process_count() > 1:
-            all_r = np.asarray(multihost_utils.process_allgather(all_r)).ravel()
-            all_l = np.asarray(multihost_utils.process_allgather(all_l)).ravel()
-        counts = global_sum([rstats["timeouts"], rstats["crashes"], sum(s["preemptions"] for s in self.svc.stats())])
-        out = {"reward_mean": all_r.mean(), "reward_std": all_r.std(),
-               "pass_rate": float(np.mean(all_r >= 1.0)), "response_len_mean": all_l.mean(),
-               "response_len_p50": float(np.percentile(all_l, 50)), "response_len_p90": float(np.percentile(all_l, 90)),
-               "response_len_max": all_l.max(), "kl": m["kl"], "entropy": m["entropy"], "clip_frac": m["clip_frac"],
-               "grad_norm": m["grad_norm"], "loss": m["loss"], "skipped": m["skipped"],
-               "lr": float(self.lr(self.step * self.cfg.algo.mini_batches)),
-               "reward_timeouts": counts[0], "reward_crashes": counts[1], "preemptions_total": counts[2],
-               "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9), **times,
-               **{k: v for k, v in m.items() if k.startswith("blockwise/")}}
-        return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> list[dict]:

@@ -1,0 +1,55 @@
+"""Rollout sections that exist only in training (`python -m jaxrl.train`): RollPacker's tail batching
+under `rollout.tail_batching` and its TP planner under `engine.planner`. `python -m jaxrl.generate` has
+no rounds or steps, so its sections do not carry these keys (a key it would ignore is not accepted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import ConfigError, Section, check_float
+from .generate import EngineSection, SamplingSection
+from .planner import PlannerSection
+
+
+@dataclasses.dataclass(frozen=True)
+class TailBatchingSection(Section):
+    """RollPacker tail batching (`jaxrl.rollout.tail_batching`): a short round launches ⌈eta_prompts·P0⌉
+    prompts x ⌈eta_responses·R0⌉ responses (P0 = algo.prompts_per_step, R0 = algo.group_size), keeps the
+    first R0 finished responses of the first P0 prompts to have them and aborts the rest; the prompts it
+    drops wait in the long-prompt queue, and once it holds P0 of them the next step is a long round (P0
+    queued prompts x R0, no speculation). The paper's setting: 1.25 for both."""
+
+    enabled: bool = False                # speculative short rounds + long rounds from the long-prompt queue
+    eta_prompts: float = 1.25            # short round: prompts launched / prompts kept (>= 1)
+    eta_responses: float = 1.25          # short round: responses launched per prompt / kept (>= 1)
+
+    def __post_init__(self):
+        check_float("eta_prompts", self.eta_prompts, above=0.0)
+        check_float("eta_responses", self.eta_responses, above=0.0)
+        for name in ("eta_prompts", "eta_responses"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1 (the speculation factor), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSamplingSection(SamplingSection):
+    """Sampling of the RL rollouts, plus `tail_batching` (RollPacker)."""
+
+    tail_batching: TailBatchingSection = dataclasses.field(default_factory=TailBatchingSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainEngineSection(EngineSection):
+    """The rollout engine of training, plus `planner` (RollPacker's per-step TP planner)."""
+
+    planner: PlannerSection = dataclasses.field(default_factory=PlannerSection)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.planner.enabled and self.num_pages is not None:
+            raise ConfigError("planner.enabled", f"with engine.num_pages={self.num_pages} every layout gets the same "
+                              "pages, so a larger TP relieves no memory pressure: set engine.kv_bytes_per_device "
+                              "(or kv_memory_fraction) instead")
+        if self.planner.enabled and self.kv_bytes_per_device is None and self.kv_memory_fraction is None:
+            raise ConfigError("planner.enabled", "the planner trades TP for KV room, which needs a memory budget: set "
+                              "engine.kv_bytes_per_device (CPU) or engine.kv_memory_fraction (GPU)")

@@ -1,0 +1,39 @@
+"""Per-step metrics of an RL step (what `metrics.jsonl` and TensorBoard get), gathered over processes:
+only scalars cross processes; per-sample arrays are gathered (ragged: tail batching trains unequal counts
+per process) into the scalar statistics here."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .distributed import gather_ragged, global_max, global_sum
+
+
+def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float, svc) -> dict:
+    """Rewards, response lengths, the update's statistics `m`, reward failures, preemptions, engine steps,
+    the stage `times` and the `blockwise/...` counters."""
+    all_r = gather_ragged(np.asarray(rewards, np.float64))
+    all_l = gather_ragged(np.asarray(lens, np.float64))
+    counts = global_sum([rstats["timeouts"], rstats["crashes"], sum(s["preemptions"] for s in svc.stats())])
+    out = {"reward_mean": all_r.mean(), "reward_std": all_r.std(),
+           "pass_rate": float(np.mean(all_r >= 1.0)), "response_len_mean": all_l.mean(),
+           "response_len_p50": float(np.percentile(all_l, 50)), "response_len_p90": float(np.percentile(all_l, 90)),
+           "response_len_max": all_l.max(), "kl": m["kl"], "entropy": m["entropy"], "clip_frac": m["clip_frac"],
+           "grad_norm": m["grad_norm"], "loss": m["loss"], "skipped": m["skipped"], "lr": lr,
+           "reward_timeouts": counts[0], "reward_crashes": counts[1], "preemptions_total": counts[2],
+           "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9),
+           "engine_steps": global_max(rstats["engine_steps"]), **times,
+           **{k: v for k, v in m.items() if k.startswith("blockwise/")}}
+    return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
+
+
+def tail_metrics(plan, rstats: dict, lens, *, queue_len: int) -> dict:
+    """tail/...: the round (1 = long), the long-prompt queue after it, prompts launched and trained, the
+    responses aborted and their tokens, decoded tokens thrown away, the round's longest kept response."""
+    launched, trained, aborted, aborted_tok, wasted = global_sum(
+        [len(plan.rows), len(rstats["accepted"]), rstats["aborted"], rstats["aborted_tokens"], rstats["wasted_tokens"]])
+    return {"tail/long_round": int(plan.kind == "long"), "tail/queue_len": queue_len,
+            "tail/queued": len(rstats.get("queued", [])), "tail/prompts_launched": int(launched),
+            "tail/prompts_trained": int(trained), "tail/aborted_responses": int(aborted),
+            "tail/aborted_tokens": int(aborted_tok), "tail/wasted_tokens": int(wasted),
+            "tail/max_response_len": global_max(max(lens, default=0))}

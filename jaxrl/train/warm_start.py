@@ -1,0 +1,60 @@
+"""The supervised warm start: NLL steps on the built-in tasks' demonstrations before RL, so the policy
+sometimes succeeds (skipped, with one line, for data of other tasks: only built-in rows have
+demonstrations)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from tqdm import tqdm
+
+from jaxrl.config.train import TrainConfig
+from jaxrl.data import DataLoader, encode_demonstrations
+
+from . import rl
+from .batch import Sample
+from .optim import init_state
+from .step import make_train_step
+from .update import Updater
+
+
+def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, shardings, mesh, pack_len: int,
+                          mb_rows: int | None, model_cfg, metrics, *, is_main: bool = True):
+    """`cfg.warm_start.steps` NLL steps (token-mean, its own optimizer) from `params`; returns the new
+    params. `mb_rows`: the fixed micro-batch rows of the RL update (None: the fused whole-batch step)."""
+    from jaxrl.data.tasks import BUILTIN_TASKS
+
+    w = cfg.warm_start
+    other = sorted({row["task"] for row in dataset} - set(BUILTIN_TASKS))
+    if other:
+        if is_main:
+            print(f"[train] warm start skipped: it supervises the built-in tasks only, and the data has task "
+                  f"{other[0]!r} (set warm_start.steps=0 to silence this)", flush=True)
+        return params
+    tx, _ = w.optim.build(w.steps)
+    opt = init_state(tx, params, shardings, mesh)
+    sft = cfg.algo.build(temperature=1.0, trainer=cfg.trainer, kind="sft")
+    updater = Updater(model_cfg, sft, tx) if mb_rows else None
+    step_fn = None if updater else make_train_step(model_cfg, sft, tx, 1)
+    if w.batch_size % jax.process_count():
+        raise SystemExit(f"warm_start.batch_size={w.batch_size} must divide over {jax.process_count()} processes")
+    loader = DataLoader(dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
+                        process_count=jax.process_count(), seed=cfg.seed + 1)
+    sft_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(  # NLL: token-mean, one update per batch
+        cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1))
+    bar = tqdm(range(w.steps), desc="warm start", disable=not is_main)
+    for i in bar:
+        pairs = encode_demonstrations(next(loader), tokenizer, cfg.data.chat)
+        samples = [Sample(p, r, 0.0) for p, r in pairs]
+        if updater:
+            mbs = rl.micro_batches(samples, sft_cfg, mesh, pack_len, cfg.rollout.max_new_tokens, mb_rows)
+            params, opt, m = updater.update(params, opt, mbs)
+        else:
+            batch = rl.global_batch(samples, sft_cfg, mesh, pack_len, cfg.rollout.max_new_tokens)
+            params, opt, m = step_fn(params, opt, batch, 1.0)   # weights carry the denominator
+        if i % 10 == 0 or i == w.steps - 1:
+            nll = float(m["nll"])
+            bar.set_postfix(nll=f"{nll:.3f}")
+            metrics.log_tb("warm_start/nll", nll, i)
+    return params
