@@ -169,3 +169,23 @@ def test_planner_raises_and_lowers_tp(tmp_path):
     assert [r["planner/tp"] for r in rows] == [2, 1, 2]
     assert [r["preemptions"] > 0 for r in rows] == [True, False, True]
     assert [r["planner/instances"] for r in rows] == [1, 2, 1]
+
+
+def test_stream_trainer_step_equals_synchronous(tmp_path):
+    """RollPacker's stream trainer in a real run: half the rollout devices are freed at a milestone, groups'
+    gradients run there during the rollout, one update at the end — the same rollouts and (within float32
+    summation order) the same losses and weights as the synchronous trainer; nothing compiles after step 0."""
+    common = ["steps=2", "save_every=null", "engine.instances=2", "train_layout.fsdp=2", "trainer.micro_batch_tokens=256",
+              "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "algo.kl_coef=0.05", "algo.entropy_coef=0.01"]
+    _train(tmp_path / "sync", *common)
+    _train(tmp_path / "stream", *common, "trainer.stream.enabled=true", "trainer.warmup=true")
+    sync, stream = _metrics(tmp_path / "sync"), _metrics(tmp_path / "stream")
+    for a, b in zip(sync, stream):
+        for key in ("reward_mean", "response_len_mean", "response_len_max"):
+            assert a[key] == b[key], key                      # the pool shrink changed no token
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert all(r["stream/shrunk"] == 1 and r["stream/groups_early"] > 0 for r in stream)
+    assert stream[1]["compiles"] == 0
+    for a, b in zip(_params(tmp_path / "sync"), _params(tmp_path / "stream")):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)

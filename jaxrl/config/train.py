@@ -11,6 +11,7 @@ from .base import ConfigError, Section, check_choice, check_float, check_int, ch
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
+from .stream import StreamSection, check_stream
 from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
 
@@ -155,6 +156,7 @@ class TrainerSection(Section):
     backward: str = "full"               # full or blockwise (MetroRLHF: blocks last to first over cached K/V)
     block_size: int = 256                # blockwise: tokens per block (T)
     kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)
+    stream: StreamSection = dataclasses.field(default_factory=StreamSection)   # RollPacker's stream trainer
 
     def __post_init__(self):
         check_choice("remat", self.remat, REMAT_POLICIES)
@@ -282,6 +284,7 @@ class TrainConfig(Section):
                               f"{self.trainer.micro_batch_tokens}: the micro-batches already come from the token "
                               "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
         self._check_blockwise()
+        check_stream(self.trainer.stream, self)
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "

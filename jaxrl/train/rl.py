@@ -44,7 +44,7 @@ def uses_rollout_kv(cfg: TrainConfig) -> bool:
 
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
                       rows: list[dict], step: int, eos_ids, *, race=None, responses: int | None = None,
-                      params_fn=None) -> tuple[list[Completion], np.ndarray, dict]:
+                      params_fn=None, on_step=None, on_group=None) -> tuple[list[Completion], np.ndarray, dict]:
     """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
@@ -61,7 +61,10 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     the decoded tokens thrown away (aborted + finished but not kept).
 
     `params_fn(row, params) -> SamplingParams` may adjust each prompt's request (benchmarks give each prompt
-    its own stop tokens).
+    its own stop tokens). Streaming hooks (RollPacker's stream trainer): `on_step(finished, total)` after
+    every engine step of a round without a race (responses finished so far, of `total`); `on_group(p,
+    completions, rewards)` as soon as prompt p's kept responses are all scored (and, in a race, p is
+    accepted), in sample order.
     """
     r = cfg.rollout
     G = responses or cfg.algo.group_size
@@ -74,7 +77,18 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
     scores = np.zeros((len(prompts), G), np.float32)
     waiting, results, first_error = {}, {}, []
-    aborted = aborted_tokens = engine_steps = 0
+    aborted = aborted_tokens = engine_steps = finished = 0
+    emitted: set[int] = set()
+
+    def emit_groups():
+        """Hand every prompt whose kept responses are all scored to `on_group`, once."""
+        if on_group is None or (race is not None and not race.decided):
+            return
+        for p in (range(len(prompts)) if race is None else race.accepted):
+            js = range(G) if race is None else race.kept(p)
+            if p not in emitted and all((p, j) in results for j in js):
+                emitted.add(p)
+                on_group(p, [comps[p][j] for j in js], np.asarray([scores[p, j] for j in js], np.float32))
 
     def take(res_list):
         for res in res_list:
@@ -97,7 +111,10 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             row = rows[p]
             name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
             waiting[pool.submit((name, tokenizer.decode(c.tokens), row["answer"], row["task"]))] = ((p, j), name)
+            finished += 1
         take(pool.poll())
+        if on_step is not None and race is None:
+            on_step(finished, len(prompts) * G)
         if race is not None:
             for s in svc.sequence_stats():
                 race.progress(*where[s["request_id"]], s["generated"])
@@ -106,6 +123,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                 if partial is not None:
                     aborted += 1
                     aborted_tokens += len(partial.tokens)
+        emit_groups()
     accepted = list(range(len(prompts))) if race is None else race.accepted
     kept = [(p, j) for p in accepted for j in (range(G) if race is None else race.kept(p))]
     wanted = set(kept)
@@ -114,6 +132,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     t0 = time.perf_counter()
     while waiting:
         take(pool.poll(timeout=1.0))
+        emit_groups()
+    emit_groups()
     statuses = [results[pj] for pj in kept]
     wasted = sum(len(c.tokens) for p, row in enumerate(comps) for j, c in enumerate(row)
                  if c is not None and (p, j) not in wanted)

@@ -11,7 +11,7 @@ from .distributed import gather_ragged, global_max, global_sum
 
 def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float, svc) -> dict:
     """Rewards, response lengths, the update's statistics `m`, reward failures, preemptions, engine steps,
-    the stage `times` and the `blockwise/...` counters."""
+    the stage `times` and the mechanisms' counters in `m` (`blockwise/...`, `stream/...`)."""
     all_r = gather_ragged(np.asarray(rewards, np.float64))
     all_l = gather_ragged(np.asarray(lens, np.float64))
     counts = global_sum([rstats["timeouts"], rstats["crashes"], sum(s["preemptions"] for s in svc.stats())])
@@ -23,7 +23,7 @@ def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float
            "reward_timeouts": counts[0], "reward_crashes": counts[1], "preemptions_total": counts[2],
            "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9),
            "engine_steps": global_max(rstats["engine_steps"]), **times,
-           **{k: v for k, v in m.items() if k.startswith("blockwise/")}}
+           **{k: v for k, v in m.items() if k.startswith(("blockwise/", "stream/"))}}
     return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
 
 

@@ -55,6 +55,7 @@ from .warm_start import supervised_warm_start
 from .optim import init_state
 from .preflight import ResumePlan, StartupError, check_tokenizer, plan_resume, write_config
 from .step import make_logprob_fn, make_train_step
+from .stream import StreamTrainer
 from .update import Updater
 
 log = logging.getLogger("jaxrl.train")
@@ -115,6 +116,10 @@ class Trainer:
             self.updater = None
             self.train_step = make_train_step(self.model_cfg, self.spec, self.tx, a.micro_batches)
             self.logprob_fn = make_logprob_fn(self.model_cfg, self.spec)
+        self.stream = None
+        if t.stream.enabled:       # RollPacker: gradients on rollout devices freed mid-rollout, one update
+            self.stream = StreamTrainer(cfg, t.stream, self.model_cfg, self.spec, self.updater, self.mesh,
+                                        pack_len=self.pack_len, mb_rows=self.mb_rows)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices())
         self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp)    # RollPacker: per-step rollout TP
@@ -220,9 +225,10 @@ class Trainer:
         race = (Race(plan.keys, plan.responses, plan.keep, plan.accept, gather=allgather)
                 if plan and plan.kind == "short" else None)        # tail batching's speculative short round
         preempted = total_preemptions(self.svc)
+        hooks = self._stream_hooks(prompts) if self.stream else {}
         comps, rewards, rstats = rl.rollout_and_score(self.svc, self.pool, self.tokenizer, cfg, prompts, rows,
                                                       self.step, self.tokenizer.eos_ids, race=race,
-                                                      responses=plan.responses if plan else None)
+                                                      responses=plan.responses if plan else None, **hooks)
         if plan:          # only the accepted prompts train; the short round's others join the long-prompt queue
             rstats["queued"] = self.tail.settle(plan, rstats["accepted"], self.step)
             prompts = [prompts[p] for p in rstats["accepted"]]
@@ -235,7 +241,10 @@ class Trainer:
         lens = [len(c.tokens) for c in comps]
         adv = rl.advantages(cfg, rewards, lens)
         samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
-        if self.updater:
+        if self.stream:      # the groups' gradients were (partly) computed during the rollout
+            self.params, self.opt_state, m = self.stream.finish(self.params, self.opt_state)
+            m = jax.device_get(m)
+        elif self.updater:
             m = self._update(samples, [c.kv for c in comps] if self.stager else None)
         else:
             m = self._update_fused(samples)
@@ -253,6 +262,19 @@ class Trainer:
         if self.planner:
             out.update(self.planner.metrics())
         return out
+
+    def _stream_hooks(self, prompts) -> dict:
+        """rollout_and_score hooks of the stream trainer: milestone checks after each engine step (may free
+        half the rollout devices) and each scored group, with its advantages, to the gradient stream."""
+        st, cfg = self.stream, self.cfg
+        st.begin(self.params, self.ref_params)
+
+        def on_group(p, comps, rewards):
+            lens = [len(c.tokens) for c in comps]
+            adv = rl.advantages(cfg, rewards, lens)
+            st.add_group([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
+
+        return {"on_step": lambda finished, total: st.on_progress(self.svc, finished, total), "on_group": on_group}
 
     def _sync_weights(self):
         """The new weights into the rollout instances; with the planner, on the layout it chose for the next
@@ -340,6 +362,8 @@ class Trainer:
                 extra["kv"] = self.stager.abstract(self.mb_rows, row_len)
             n += self.updater.warm(self.params, self.opt_state, mb,
                                    logp_params=[self.ref_params] if self.ref_params is not None else [], **extra)
+            if self.stream:      # the freed devices' gradient / reference executables
+                n += self.stream.warm(self.params, self.opt_state, self.ref_params, svc=self.svc)
         self.svc.update_weights(self.params)
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
             print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s",
