@@ -61,12 +61,12 @@ def test_math_reward_outside_main_thread():
 
 # ------------------------------------------------------------------------------------- registry
 def test_registry():
-    assert set(REWARD_FNS) == {"math", "builtin"}
+    assert set(REWARD_FNS) == {"math", "builtin", "code"}
     assert reward_fn_for("math") == "math"
     assert reward_fn_for("copy") == reward_fn_for("add") == "builtin"
     assert resolve("math")("\\boxed{2}", "2", "math") == 1.0
     assert resolve(T + "raise_error").__name__ == "raise_error"
-    with pytest.raises(KeyError, match="unknown reward 'mathh'; registered: builtin, math"):
+    with pytest.raises(KeyError, match="unknown reward 'mathh'; registered: builtin, code, math"):
         resolve("mathh")
     with pytest.raises(KeyError, match="has no function 'no_such_fn'"):
         resolve("jaxrl.rewards._testing:no_such_fn")

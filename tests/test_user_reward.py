@@ -95,15 +95,21 @@ class FakeService:
 
     def __init__(self):
         self.requests = []
+        self.done = False
 
     def add(self, ids, params):
         start = len(self.requests)
         self.requests += [ids] * params.n
         return list(range(start, len(self.requests)))
 
-    def stream(self):
-        for rid in reversed(range(len(self.requests))):  # completion order differs from submission order
-            yield Completion(rid, self.requests[rid], [ord("a") + rid % 26] * (rid + 1), [], "stop", 0)
+    def has_work(self):
+        return not self.done
+
+    def step(self):
+        """Everything finishes in one engine step, in an order that differs from submission order."""
+        self.done = True
+        return [Completion(rid, self.requests[rid], [ord("a") + rid % 26] * (rid + 1), [], "stop", 0)
+                for rid in reversed(range(len(self.requests)))]
 
 
 class FakeTokenizer:
@@ -151,7 +157,7 @@ def test_rollout_stats_name_the_first_failure():
                                  "importable in a fresh interpreter"),
     (HERE + "length_rewrad", f"reward '{HERE}length_rewrad': module 'tests.test_user_reward' has no function "
                              "'length_rewrad' (did you mean 'length_reward'?)"),
-    ("foo", "unknown reward 'foo'; registered: builtin, math (or a name in rewards.registry, or a "
+    ("foo", "unknown reward 'foo'; registered: builtin, code, math (or a name in rewards.registry, or a "
             "'package.module:function' import path)"),
     (HERE + "HERE", f"reward '{HERE}HERE': tests.test_user_reward.HERE is a str, not a function"),
 ])

@@ -11,6 +11,7 @@ from .base import ConfigError, Section, check_choice, check_float, check_int, ch
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
+from .rewards import AdaptiveTimeoutSection, SandboxSection
 from .stream import StreamSection, check_stream
 from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
@@ -193,7 +194,8 @@ class RewardSection(Section):
     ("math" for math rows, "builtin" for the built-in tasks). A name is a registered reward ("math",
     "builtin", or a key of `registry`) or an import path "package.module:function" (importable in a fresh
     interpreter: the pool's workers are separate processes). Every name is resolved at start-up, in this
-    process and in a worker, before anything compiles. A step in which every reward failed (crash or
+    process and in a worker, before anything compiles. The "code" reward runs programs in a sandbox
+    (`sandbox`) with a timeout per test case that adapts to the slowest correct run seen (`adaptive_timeout`). A step in which every reward failed (crash or
     timeout) is counted; `max_failed_steps` such steps in a row stop the run with the first error."""
 
     fn: str | None = None                # the reward of every row without its own "reward" field
@@ -201,6 +203,8 @@ class RewardSection(Section):
     num_workers: int = 2                 # 0 = score in-process (no timeouts; debugging)
     timeout_s: float = 5.0               # per response; a timeout scores 0 and is counted
     max_failed_steps: int = 3            # steps in a row where every reward failed before the run stops
+    sandbox: SandboxSection = dataclasses.field(default_factory=SandboxSection)        # the code reward's programs
+    adaptive_timeout: AdaptiveTimeoutSection = dataclasses.field(default_factory=AdaptiveTimeoutSection)  # per test case
 
     def __post_init__(self):
         check_str("fn", self.fn, allow_none=True)
@@ -216,6 +220,13 @@ class RewardSection(Section):
         from jaxrl.rewards.pool import RewardPool
 
         return RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
+
+    def scheduler(self, pool):
+        """The `jaxrl.rewards.RewardScheduler` over `pool`: per-response scoring with cancellation and, for code
+        rewards, the sandbox limits and adaptive per-test-case timeouts (anchors kept across steps)."""
+        from jaxrl.rewards.scheduler import RewardScheduler
+
+        return RewardScheduler(pool, self.adaptive_timeout.build(), limits=self.sandbox.build())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ DeepScaleR-style files (`problem`/`answer` columns, no task column) load with
 `from_parquet(path, prompt_key="problem")`; rows without a task field get `default_task` ("math",
 scored by the math verifier in `jaxrl.rewards`).
 
-A `"reward"` field (key or column) names the reward function of that row — a registered name or
+An answer that is a JSON object or list (a code task's test cases, `jaxrl.rewards.code`) is kept as its
+JSON text. A `"reward"` field (key or column) names the reward function of that row — a registered name or
 "package.module:function" (see `jaxrl.rewards.registry`); rows keep it only when it is set, so rows
 without one (and the built-in rows) are exactly {prompt, answer, task}.
 
@@ -52,6 +53,8 @@ def _check(record, prompt_key: str, answer_key: str, task_key: str, default_task
         if key not in record:
             return f"missing {key!r}"
         value = record[key]
+        if key == answer_key and isinstance(value, (dict, list)) and value:
+            value = json.dumps(value)   # structured answers (code test cases) travel as JSON text
         if not isinstance(value, str):
             return f"{key!r} is {type(value).__name__}, not a string"
         if not value.strip():

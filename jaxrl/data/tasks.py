@@ -22,11 +22,20 @@ answer scores 1 — which keeps the reward informative for a policy that is only
 `score(task, response, answer)` is a picklable top-level function with no JAX import: the reward
 process pool calls it in worker processes. Rows of other tasks (e.g. "math" from DeepScaleR) are scored
 by their own verifiers elsewhere; here they raise `KeyError`.
+
+**Opt-in tasks.** `BUILTIN_TASKS` is the default suite (`data.tasks: []` means all of it). `code` is
+built in but opt-in (`data.tasks: [code]`; `TASKS` holds both): "py add 7" asks for a one-line Python
+program that reads a line from stdin and prints the result ("print(int(input())+7)"); the answer is the
+test cases as JSON (`jaxrl.rewards.code` schema: three stdin/stdout pairs) and the reward runs the
+program on them in the sandbox ("code" reward: 1 when every case passes, else 0). Seven operations
+(add k, mul k, rep k, head k, rev, sort, len) over small integers and the letters a-j; prompts are
+8-10 characters, demonstrations 20-32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import string
 from typing import Callable, Sequence
 
@@ -95,6 +104,7 @@ class Task:
     description: str
     generate: Callable[[np.random.Generator], tuple[str, str]]
     scorer: Callable[[str, str], float] = prefix_score
+    demo: Callable[[Example], str] | None = None   # the ideal response when it is not the answer itself
 
     def make(self, rng: np.random.Generator) -> Example:
         prompt, answer = self.generate(rng)
@@ -102,7 +112,7 @@ class Task:
 
     def demonstration(self, ex: Example) -> str:
         """The ideal response text (without EOS; the tokenizer's EOS ends it)."""
-        return ex.answer
+        return self.demo(ex) if self.demo is not None else ex.answer
 
     def score(self, response: str, answer: str) -> float:
         return float(self.scorer(response.strip(), answer.strip()))
@@ -137,6 +147,43 @@ def _add(rng):
     return f"add {a}+{b}", str(a + b)
 
 
+# op -> (input kind, program template, expected output of (input line, k))
+CODE_OPS: dict[str, tuple[str, str, Callable[[str, int], str]]] = {
+    "add": ("int", "print(int(input())+{k})", lambda x, k: str(int(x) + k)),
+    "mul": ("int", "print(int(input())*{k})", lambda x, k: str(int(x) * k)),
+    "rep": ("str", "print(input()*{k})", lambda x, k: x * k),
+    "head": ("str", "print(input()[:{k}])", lambda x, k: x[:k]),
+    "rev": ("str", "print(input()[::-1])", lambda x, k: x[::-1]),
+    "sort": ("str", "print(''.join(sorted(input())))", lambda x, k: "".join(sorted(x))),
+    "len": ("str", "print(len(input()))", lambda x, k: str(len(x))),
+}
+CODE_CASES = 3
+
+
+def _code(rng):
+    op = sorted(CODE_OPS)[int(rng.integers(0, len(CODE_OPS)))]
+    kind, template, fn = CODE_OPS[op]
+    k = int(rng.integers(2, 10))
+    inputs = [str(int(rng.integers(0, 100))) if kind == "int" else _letters(rng, int(rng.integers(1, 7)))
+              for _ in range(CODE_CASES)]
+    tests = [{"stdin": x + "\n", "stdout": fn(x, k) + "\n"} for x in inputs]
+    prompt = f"py {op} {k}" if "{k}" in template else f"py {op}"
+    return prompt, json.dumps({"tests": tests}, separators=(",", ":"))
+
+
+def code_solution(ex: Example) -> str:
+    """The reference program of a built-in code prompt ("py add 7" -> "print(int(input())+7)")."""
+    _, op, *k = ex.prompt.split(" ")
+    return CODE_OPS[op][1].format(k=k[0] if k else "")
+
+
+def code_score(response: str, answer: str) -> float:
+    """The "code" reward (`jaxrl.rewards.code`: the program run on the test cases in the sandbox)."""
+    from jaxrl.rewards.code import code_reward   # lazy: the sandbox is only needed for code rows
+
+    return float(code_reward(response, answer))
+
+
 BUILTIN_TASKS: dict[str, Task] = {t.name: t for t in (
     Task("copy", "copy a string of letters", _copy),
     Task("reverse", "reverse a string of letters", _reverse),
@@ -144,13 +191,18 @@ BUILTIN_TASKS: dict[str, Task] = {t.name: t for t in (
     Task("repeat", "repeat a 1-2 letter unit n times", _repeat),
     Task("add", "add two non-negative integers", _add),
 )}
+OPT_IN_TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("code", "a one-line Python program over stdin, run on test cases", _code, code_score, code_solution),
+)}
+TASKS: dict[str, Task] = {**BUILTIN_TASKS, **OPT_IN_TASKS}   # every task `data.tasks` may name
+DEFAULT_TASKS: tuple[str, ...] = tuple(sorted(BUILTIN_TASKS))   # what `data.tasks: []` means
 
 
 def get_task(name: str) -> Task:
     try:
-        return BUILTIN_TASKS[name]
+        return TASKS[name]
     except KeyError:
-        raise KeyError(f"unknown task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)}") from None
+        raise KeyError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}") from None
 
 
 def score(task: str, response: str, answer: str) -> float:

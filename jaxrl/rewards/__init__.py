@@ -13,12 +13,24 @@ and name it per row (a `"reward"` field in the data), for every row (`rewards.fn
 name (`rewards.registry`); see `registry` for the order. `check_rewards` resolves every name the data
 uses, here and in a worker, before training starts. `pool` runs them (batch `score`, or streaming
 `submit`/`poll`); a timeout or crash scores 0 and is counted with its cause, never a hung step.
+
+Code (RollPacker §4.3): `run_program`/`run_tests` run untrusted programs in a sandbox (`sandbox`: PID,
+network and mount namespaces, a throwaway uid, rlimits, everything killed afterwards); the "code" reward
+(`code`) runs a response on a row's test cases; `RewardScheduler` (`scheduler`) scores responses as
+they finish, reports prompt groups as they complete, cancels aborted ones and gives code test cases
+adaptive timeouts (`AdaptiveTimeouts`, `timeouts`).
 """
 
+from .code import CodeCase, CodeSpec, case_keys, code_reward, parse_spec
 from .math import math_reward
 from .pool import RewardItem, RewardPool, RewardResult
 from .registry import (REWARD_FNS, RewardLookupError, check_rewards, resolve, reward_fn_for, reward_name,
                        reward_names)
+from .sandbox import ProgramResult, SandboxLimits, run_program, run_tests
+from .scheduler import CompletedGroup, Polled, RewardScheduler, ScoredResponse
+from .timeouts import AdaptiveTimeouts
 
-__all__ = ["REWARD_FNS", "RewardItem", "RewardLookupError", "RewardPool", "RewardResult", "check_rewards",
-           "math_reward", "resolve", "reward_fn_for", "reward_name", "reward_names"]
+__all__ = ["REWARD_FNS", "AdaptiveTimeouts", "CodeCase", "CodeSpec", "CompletedGroup", "Polled", "ProgramResult",
+           "RewardItem", "RewardLookupError", "RewardPool", "RewardResult", "RewardScheduler", "SandboxLimits",
+           "ScoredResponse", "case_keys", "check_rewards", "code_reward", "math_reward", "parse_spec",
+           "resolve", "reward_fn_for", "reward_name", "reward_names", "run_program", "run_tests"]

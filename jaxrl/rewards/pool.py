@@ -5,13 +5,18 @@
         # stats == {"timeouts": 0, "crashes": 0, "seconds": 0.31}
 
         i = pool.submit(("builtin", response, answer, "copy"))                  # streaming (RollPacker)
-        for r in pool.poll(timeout=0.1):                         # RewardResult(id, score, status, error)
+        for r in pool.poll(timeout=0.1):    # RewardResult(id, score, status, error, seconds, latency_s, info)
             ...
+        pool.cancel(i)                      # an aborted response: dropped, or its worker killed if asked
+
 
         pool.check(["math", "my_rewards:score"])   # {name: why it does not resolve in a worker}
 
-An item is `(fn, response, answer, task)` where `fn` names a reward function (`registry.resolve`). Every
-item ends with exactly one status:
+An item is `(fn, response, answer, task)` where `fn` names a reward function (`registry.resolve`), with
+an optional fifth element `extra`: a dict of keyword arguments for this item only (picklable; e.g. the
+code reward's per-test-case `timeouts`), called as `fn(response, answer, task, **extra)`. A function may
+return a float, or a `(score, info)` pair whose `info` dict comes back as `RewardResult.info` (the code
+reward's per-case run times, which feed the adaptive timeouts). Every item ends with exactly one status:
 
 * `"ok"`      the function returned a finite float; that is the score.
 * `"timeout"` it ran longer than its timeout: its worker is SIGKILLed and replaced, the score is 0.
@@ -21,8 +26,16 @@ item ends with exactly one status:
 A failed result carries its cause in `RewardResult.error` ("ZeroDivisionError: division by zero",
 "timed out after 5s", "worker died (killed by SIGSEGV)"); an ok result has `error == ""`.
 
-Failures are counted per call (`stats`) and over the pool's life (`total_timeouts`, `total_crashes`)
-so the trainer can log them as metrics; a step never waits on a hung verifier.
+Failures are counted per call (`stats`) and over the pool's life (`total_timeouts`, `total_crashes`,
+`total_cancelled`) so the trainer can log them as metrics; a step never waits on a hung verifier.
+`RewardResult.seconds` is the time the item ran (dispatch to result; the timeout for a timeout) and
+`latency_s` the time since `submit` (queueing included).
+
+`cancel(id)` withdraws a submitted item (its response was aborted): a queued item is dropped; an item
+already scored but not yet polled is dropped; a running item is dropped when its result arrives, or,
+with `kill_running=True`, its worker is SIGKILLed (taking a sandboxed program down with it) and replaced
+— worth it for long code runs, not for a math check that ends in milliseconds. A cancelled item never
+appears in `poll()`.
 
 Design:
 
@@ -51,10 +64,10 @@ Streaming (RollPacker §4.3, "asynchronous reward computation"): `submit` as eac
 `poll` collects whatever has been scored, in completion order, so reward time hides under rollout time.
 `submit(..., timeout_s=)` takes a per-item timeout, the hook for adaptive timeouts.
 
-Simplified relative to RollPacker: no adaptive timeout policy (T = min(max(T_min, λ·T_anchor), T_max)
-from the slowest *correct* response per test case) — only the per-item override it would drive; no GPU
-sharing for judge models; items are served FIFO, not by predicted cost. Items still queued or in flight
-at `close()` are dropped without a result.
+Simplified relative to RollPacker: the adaptive timeout policy (`jaxrl.rewards.timeouts`) and per-group
+completion live in `jaxrl.rewards.scheduler` on top of this pool; no GPU sharing for judge models; items
+are served FIFO, not by predicted cost. Items still queued or in flight at `close()` are dropped without
+a result.
 """
 
 from __future__ import annotations
@@ -69,7 +82,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait as _mp_wait
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -88,13 +101,45 @@ class RewardItem(NamedTuple):
     response: str
     answer: str
     task: str
+    extra: Mapping[str, Any] | None = None  # keyword arguments of this item's call
 
 
-class RewardResult(NamedTuple):
+class _Result(NamedTuple):
     id: int
     score: float
     status: str  # one of STATUSES
     error: str = ""  # the cause of a timeout or crash ("" when ok)
+
+
+class RewardResult(_Result):
+    """`(id, score, status, error)`, plus attributes outside the tuple (so unpacking and equality with
+    4-tuples are as before): `seconds` (time it ran: dispatch to result; the timeout for a timeout),
+    `latency_s` (submit to result, queueing included) and `info` (the function's own details, when it
+    returned `(score, info)`; else None)."""
+
+    def __new__(cls, id: int, score: float, status: str, error: str = "", seconds: float = 0.0,
+                latency_s: float = 0.0, info: dict | None = None):
+        self = super().__new__(cls, id, score, status, error)
+        self.seconds, self.latency_s, self.info = float(seconds), float(latency_s), info
+        return self
+
+    def __repr__(self) -> str:
+        return (f"RewardResult(id={self.id}, score={self.score}, status={self.status!r}, error={self.error!r}, "
+                f"seconds={self.seconds:.3f}, latency_s={self.latency_s:.3f})")
+
+
+def _call(it: RewardItem) -> tuple[float, dict | None]:
+    """Run one item's function: (finite score, info or None); raises on a bad return value."""
+    out = registry.resolve(it.fn)(it.response, it.answer, it.task, **(it.extra or {}))
+    info = None
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise TypeError(f"a reward returns a float or (float, dict), got a {len(out)}-tuple")
+        out, info = out
+    score = float(out)
+    if not math.isfinite(score):
+        raise ValueError(f"non-finite score {score}")
+    return score, info
 
 
 # ---------------------------------------------------------------------------------------- worker side
@@ -128,7 +173,8 @@ def _check_main(conn, names: list[str]) -> None:
 
 
 def _worker_main(conn) -> None:
-    """Worker loop: recv (id, fn, response, answer, task) -> send (id, "ok", score) | (id, "error", msg)."""
+    """Worker loop: recv (id, fn, response, answer, task, extra) -> send (id, "ok", (score, info)) |
+    (id, "error", msg)."""
     _child_setup()
     registry.warmup()
     conn.send(("ready", None, None))
@@ -139,12 +185,9 @@ def _worker_main(conn) -> None:
             return
         if msg is None:
             return
-        item_id, fn_name, response, answer, task = msg
+        item_id, *fields = msg
         try:
-            score = float(registry.resolve(fn_name)(response, answer, task))
-            if not math.isfinite(score):
-                raise ValueError(f"non-finite score {score}")
-            conn.send((item_id, "ok", score))
+            conn.send((item_id, "ok", _call(RewardItem(*fields))))
         except Exception as e:
             conn.send((item_id, "error", _error_text(e)))
 
@@ -159,7 +202,7 @@ def _exit_text(code: int | None) -> str:
 
 
 class _Worker:
-    """Parent-side handle: process, pipe, and the item in flight (id, fn) with its deadline."""
+    """Parent-side handle: process, pipe, and the item in flight (id, fn) with its start and deadline."""
 
     def __init__(self, ctx, startup_timeout_s: float):
         self.conn, child_conn = ctx.Pipe()
@@ -169,6 +212,7 @@ class _Worker:
         self.ready = False
         self.item: tuple[int, str] | None = None
         self.timeout_s = 0.0  # the item's timeout
+        self.started = 0.0  # when the item was sent
         self.deadline = time.monotonic() + startup_timeout_s  # start-up deadline until ready
 
     def kill(self) -> None:
@@ -196,10 +240,15 @@ class RewardPool:
         self.max_start_failures = max_start_failures
         self.total_timeouts = 0
         self.total_crashes = 0
+        self.total_cancelled = 0
         self._cv = threading.Condition()
         self._ids = itertools.count()
         self._queue: collections.deque[tuple[int, RewardItem, float]] = collections.deque()
-        self._results: dict[int, tuple[float, str, str]] = {}  # (score, status, error), completion order
+        # (score, status, error, seconds, latency_s, info), in completion order
+        self._results: dict[int, tuple[float, str, str, float, float, dict | None]] = {}
+        self._submitted: dict[int, float] = {}  # id -> submit time, until its result
+        self._cancelled: set[int] = set()  # running items whose result is to be dropped
+        self._kill: set[int] = set()  # running items whose worker is to be killed (cancel)
         self._streamed: set[int] = set()  # ids from submit() not yet returned by poll()
         self._workers: list[_Worker] = []
         self._thread: threading.Thread | None = None
@@ -277,12 +326,35 @@ class RewardPool:
 
     # ------------------------------------------------------------------ API
     def submit(self, item: Sequence[str], *, timeout_s: float | None = None) -> int:
-        """Queue one `(fn, response, answer, task)` item for `poll()`; returns its id.
+        """Queue one `(fn, response, answer, task[, extra])` item for `poll()`; returns its id.
 
-        `timeout_s` overrides the pool's timeout for this item (e.g. an adaptive, per-test-case budget).
-        An unknown `fn` raises KeyError here, in the caller, not later in a worker.
+        `timeout_s` overrides the pool's timeout for this item (e.g. the sum of a code response's adaptive
+        per-test-case budgets). An unknown `fn` raises KeyError here, in the caller, not later in a worker.
         """
         return self._enqueue([item], stream=True, timeout_s=timeout_s)[0]
+
+    def cancel(self, item_id: int, *, kill_running: bool = False) -> str:
+        """Withdraw a submitted item; it will not appear in `poll()`. Returns where it was: "queued"
+        (dropped), "running" (its result will be dropped; with `kill_running` its worker is killed and
+        replaced now), "done" (scored, not yet polled: dropped) or "unknown" (already polled, or never
+        submitted; nothing happens)."""
+        with self._cv:
+            if item_id not in self._streamed:
+                return "unknown"
+            self._streamed.discard(item_id)
+            self._submitted.pop(item_id, None)
+            self.total_cancelled += 1
+            if self._results.pop(item_id, None) is not None:
+                return "done"
+            for k, (i, _, _) in enumerate(self._queue):
+                if i == item_id:
+                    del self._queue[k]
+                    return "queued"
+            self._cancelled.add(item_id)
+            if kill_running and self.num_workers > 0:
+                self._kill.add(item_id)
+        self._wake()
+        return "running"
 
     def poll(self, timeout: float = 0.0) -> list[RewardResult]:
         """Results of submitted items finished so far, in completion order; waits up to `timeout`
@@ -324,10 +396,10 @@ class RewardPool:
                 self._raise_if_broken()
                 self._cv.wait(_MAX_TICK_S)
             out = [self._results.pop(i) for i in ids]
-        statuses = [s for _, s, _ in out]
+        statuses = [r[1] for r in out]
         stats = dict(timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
                      seconds=time.monotonic() - t0)
-        return np.asarray([s for s, _, _ in out], np.float32), stats
+        return np.asarray([r[0] for r in out], np.float32), stats
 
     def check(self, names: Sequence[str]) -> dict[str, str]:
         """{name: why it does not resolve} for the names that fail in a worker's environment: a fresh
@@ -384,29 +456,30 @@ class RewardPool:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         if not self._started:
             self.start()
+        now = time.monotonic()
         inline = [self._score_inline(it) for it in items] if self.num_workers == 0 else None
         with self._cv:
             self._raise_if_broken()
             ids = [next(self._ids) for _ in items]
             if stream:
                 self._streamed.update(ids)
+            self._submitted.update((i, now) for i in ids)
             if inline is not None:
-                for i, it, (score, status, detail) in zip(ids, items, inline):
-                    self._finish(i, it.fn, score, status, detail)
+                for i, it, (score, status, detail, seconds, info) in zip(ids, items, inline):
+                    self._finish(i, it.fn, score, status, detail, seconds, info)
                 self._cv.notify_all()
                 return ids
             self._queue.extend((i, it, t) for i, it in zip(ids, items))
         self._wake()
         return ids
 
-    def _score_inline(self, it: RewardItem) -> tuple[float, str, str]:
+    def _score_inline(self, it: RewardItem) -> tuple[float, str, str, float, dict | None]:
+        t0 = time.monotonic()
         try:
-            score = float(registry.resolve(it.fn)(it.response, it.answer, it.task))
-            if not math.isfinite(score):
-                raise ValueError(f"non-finite score {score}")
-            return score, "ok", ""
+            score, info = _call(it)
+            return score, "ok", "", time.monotonic() - t0, info
         except Exception as e:
-            return 0.0, "crash", _error_text(e)
+            return 0.0, "crash", _error_text(e), time.monotonic() - t0, None
 
     def _raise_if_broken(self) -> None:  # call with the lock held
         if self._error is not None:
@@ -414,9 +487,16 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool is closed")
 
-    def _finish(self, item_id: int, fn: str, score: float, status: str, detail: str) -> None:
-        """Record a result (lock held)."""
-        self._results[item_id] = (score, status, detail)
+    def _finish(self, item_id: int, fn: str, score: float, status: str, detail: str, seconds: float = 0.0,
+                info: dict | None = None) -> None:
+        """Record a result (lock held); the result of a cancelled item is dropped."""
+        submitted = self._submitted.pop(item_id, None)
+        if item_id in self._cancelled:
+            self._cancelled.discard(item_id)
+            self._kill.discard(item_id)
+            return
+        latency = time.monotonic() - submitted if submitted is not None else seconds
+        self._results[item_id] = (score, status, detail, seconds, latency, info)
         if status == "ok":
             return
         if status == "timeout":
@@ -457,8 +537,10 @@ class RewardPool:
             for w in self._workers:
                 if self._queue and w.ready and w.item is None:
                     item_id, it, t = self._queue.popleft()
-                    w.item, w.timeout_s, w.deadline = (item_id, it.fn), t, time.monotonic() + t
+                    w.item, w.timeout_s, w.started = (item_id, it.fn), t, time.monotonic()
+                    w.deadline = w.started + t
                     sends.append((w, (item_id, *it)))
+            kill = set(self._kill)
         for w, msg in sends:
             try:
                 w.conn.send(msg)
@@ -480,7 +562,7 @@ class RewardPool:
             with self._cv:
                 self._wake_pending = False
 
-        finished: list[tuple[int, str, float, str, str]] = []
+        finished: list[tuple] = []  # (id, fn, score, status, detail, seconds, info)
         for k, w in enumerate(self._workers):
             dead = w.proc.sentinel in ready
             if w.conn in ready:
@@ -494,9 +576,12 @@ class RewardPool:
                 w.proc.join(timeout=1.0)
                 why = f"worker died ({_exit_text(w.proc.exitcode)})"
                 if w.item is not None:
-                    finished.append((*w.item, 0.0, "crash", why))
+                    finished.append((*w.item, 0.0, "crash", why, now - w.started, None))
+            elif w.item is not None and w.item[0] in kill:
+                finished.append((*w.item, 0.0, "crash", "cancelled", now - w.started, None))  # dropped
+                why = "cancelled"
             elif w.item is not None and now > w.deadline:
-                finished.append((*w.item, 0.0, "timeout", f"timed out after {w.timeout_s:g}s"))
+                finished.append((*w.item, 0.0, "timeout", f"timed out after {w.timeout_s:g}s", w.timeout_s, None))
             elif not w.ready and now > w.deadline:
                 why = f"worker not ready after {self.startup_timeout_s}s"
             else:
@@ -511,8 +596,8 @@ class RewardPool:
             self._workers[k] = _Worker(self._ctx, self.startup_timeout_s)
 
         with self._cv:
-            for item_id, fn, score, status, detail in finished:
-                self._finish(item_id, fn, score, status, detail)
+            for item_id, fn, score, status, detail, seconds, info in finished:
+                self._finish(item_id, fn, score, status, detail, seconds, info)
             self._cv.notify_all()
         return True
 
@@ -526,8 +611,9 @@ class RewardPool:
             return
         if w.item is None or w.item[0] != item_id:
             return  # stale reply (cannot happen with one item in flight; ignore defensively)
+        seconds = time.monotonic() - w.started
         if kind == "ok":
-            finished.append((*w.item, float(payload), "ok", ""))
+            finished.append((*w.item, float(payload[0]), "ok", "", seconds, payload[1]))
         else:
-            finished.append((*w.item, 0.0, "crash", payload))
+            finished.append((*w.item, 0.0, "crash", payload, seconds, None))
         w.item, w.deadline = None, math.inf

@@ -14,11 +14,12 @@ so nothing but strings crosses the process boundary.
   `rewards.fn` say `mine`).
 
 `reward_name(row, fn, registry)` applies that order (row > `rewards.fn` > the task's default: "math"
-for math rows, "builtin" for the built-in tasks, `reward_fn_for`) and replaces a registry name by its
-import path, which is what the workers resolve. `check_rewards(reward_names(rows, fn, registry), pool)`
-resolves every name the data will use, in this process and in a worker process, and raises a one-line
-`ValueError` naming the first that fails and why (module not importable, no such function, unknown
-name) — so a typo stops the run at start-up instead of scoring every response 0.
+for math rows, "code" for code rows, "builtin" for the built-in tasks, `reward_fn_for`) and replaces a
+registry name by its import path, which is what the workers resolve.
+`check_rewards(reward_names(rows, fn, registry), pool)` resolves every name the data will use, in this
+process and in a worker process, and raises a one-line `ValueError` naming the first that fails and why
+(module not importable, no such function, unknown name) — so a typo stops the run at start-up instead of
+scoring every response 0.
 
 Names are either keys of `REWARD_FNS` or an import path. Workers are separate processes: they get this
 process's `sys.path` (see `jaxrl.rewards.pool`), but registering into `REWARD_FNS` at run time in the
@@ -50,7 +51,16 @@ def builtin_fn(response: str, answer: str, task: str) -> float:
     return float(score(task, response, answer))
 
 
-REWARD_FNS: dict[str, RewardFn] = {"math": math_fn, "builtin": builtin_fn}
+def code_fn(response: str, answer: str, task: str, **extra):
+    """Code verifier (`jaxrl.rewards.code.code_reward`): the response's program run on the test cases in
+    `answer`, in the sandbox. `extra` (from the reward scheduler, per item): `timeouts` per test case,
+    sandbox `limits`, `details=True` to return `(score, info)` with each case's run time and verdict."""
+    from .code import code_reward
+
+    return code_reward(response, answer, task, **extra)
+
+
+REWARD_FNS: dict[str, RewardFn] = {"math": math_fn, "builtin": builtin_fn, "code": code_fn}
 
 
 class RewardLookupError(KeyError):
@@ -67,8 +77,9 @@ def one_line(text: str, limit: int = _MAX_LINE) -> str:
 
 
 def reward_fn_for(task: str) -> str:
-    """Reward-function name for a task: `"math"` for the math task, `"builtin"` for every other task."""
-    return "math" if task == "math" else "builtin"
+    """Reward-function name for a task: `"math"` for the math task, `"code"` for code tasks (the built-in
+    one and user JSONL rows with `"task": "code"`), `"builtin"` for every other task."""
+    return task if task in ("math", "code") else "builtin"
 
 
 def reward_name(row: Mapping, fn: str | None = None, registry: Mapping[str, str] | None = None, *,
@@ -152,3 +163,4 @@ def warmup() -> None:
         import jaxrl.data.tasks  # noqa: F401
     except ImportError:  # builtin_fn will then raise per item, scored as a crash
         pass
+    from . import code  # noqa: F401  (the "code" reward's imports; its sandbox runs start from scratch)

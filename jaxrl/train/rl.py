@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl import algos
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards.registry import one_line, reward_fn_for, reward_name
+from jaxrl.rewards.scheduler import RewardScheduler
 from jaxrl.rollout import Completion, RolloutService
 
 from .batch import Sample, pack, pack_rows, row_bucket
@@ -48,7 +49,9 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
-    rest of the rollout (the long tail especially). Returns (completions, rewards [P*G] float32,
+    rest of the rollout (the long tail especially). `pool` is a `RewardScheduler` (the trainer keeps one,
+    so code rewards' adaptive timeouts learn across steps) or a plain `RewardPool` (wrapped for the call);
+    a response given up after it was submitted is cancelled there. Returns (completions, rewards [P*G] float32,
     {"items", "timeouts", "crashes", "first_error", "seconds", "engine_steps", ...}) where seconds is the
     wait for rewards after the last completion; crashes and timeouts score 0 and are counted, and
     first_error is the first failure to come back, as "<status> in <reward name>: <cause>" ("" when none
@@ -68,6 +71,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     """
     r = cfg.rollout
     G = responses or cfg.algo.group_size
+    sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
     rids = []
     for ids, row in zip(prompts, rows):
         params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])),
@@ -90,12 +94,12 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                 emitted.add(p)
                 on_group(p, [comps[p][j] for j in js], np.asarray([scores[p, j] for j in js], np.float32))
 
-    def take(res_list):
-        for res in res_list:
-            got = waiting.pop(res.id, None)
-            if got is None:          # a response given up after it was submitted
+    def take(polled):
+        for res in polled.responses:
+            name = waiting.pop(res.key, None)
+            if name is None:          # a response given up after it was submitted
                 continue
-            (p, j), name = got
+            p, j = res.key
             scores[p, j] = res.score
             results[p, j] = res.status
             if res.status != "ok" and not first_error:
@@ -110,9 +114,10 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                 race.finished(p, j, len(c.tokens))
             row = rows[p]
             name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
-            waiting[pool.submit((name, tokenizer.decode(c.tokens), row["answer"], row["task"]))] = ((p, j), name)
+            sched.submit((p, j), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
+            waiting[p, j] = name
             finished += 1
-        take(pool.poll())
+        take(sched.poll())
         if on_step is not None and race is None:
             on_step(finished, len(prompts) * G)
         if race is not None:
@@ -127,11 +132,12 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     accepted = list(range(len(prompts))) if race is None else race.accepted
     kept = [(p, j) for p in accepted for j in (range(G) if race is None else race.kept(p))]
     wanted = set(kept)
-    for key in [k for k, (pj, _) in waiting.items() if pj not in wanted]:
-        del waiting[key]                       # scored for nothing; their results are dropped on arrival
+    for key in [k for k in waiting if k not in wanted]:
+        del waiting[key]                       # would be scored for nothing
+        sched.cancel(key)
     t0 = time.perf_counter()
     while waiting:
-        take(pool.poll(timeout=1.0))
+        take(sched.poll(timeout=1.0))
         emit_groups()
     emit_groups()
     statuses = [results[pj] for pj in kept]

@@ -77,6 +77,7 @@ class Trainer:
             self.pool.close()
             raise StartupError(str(e)) from None
         self.reward_guard = rl.RewardFailureGuard(cfg.rewards.max_failed_steps)
+        self.rewards = cfg.rewards.scheduler(self.pool)     # cancellation; code: sandbox + adaptive timeouts
         layout = cfg.train_layout.build()
         if layout.size != jax.device_count():
             raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
@@ -141,8 +142,8 @@ class Trainer:
     def _setup_data(self):
         d, cfg = self.cfg.data, self.cfg
         if d.source == "builtin":
-            from jaxrl.data.tasks import BUILTIN_TASKS
-            ds = PromptDataset.builtin(list(d.tasks) or sorted(BUILTIN_TASKS), d.num_examples, cfg.seed)
+            from jaxrl.data.tasks import DEFAULT_TASKS
+            ds = PromptDataset.builtin(list(d.tasks) or list(DEFAULT_TASKS), d.num_examples, cfg.seed)
         else:
             ds = PromptDataset.from_file(d.source, prompt_key=d.prompt_key, answer_key=d.answer_key)
         lens = [len(p) for p in encode_prompts(ds, self.tokenizer, d.chat)]
@@ -179,6 +180,7 @@ class Trainer:
             meta["tail"] = self.tail.state_dict()      # the long-prompt queue (global, same on every process)
         if self.planner:
             meta["planner"] = self.planner.state_dict()
+        meta["reward_scheduler"] = self.rewards.state_dict()       # the adaptive timeouts' anchors
         self.ckpt.save(self.step, self._state(), meta)
 
     def _maybe_resume(self) -> bool:
@@ -200,6 +202,8 @@ class Trainer:
             self.tail.load_state_dict(meta.get("tail", {"queue": [], "rounds": {"short": 0, "long": 0}}))
         if self.planner and "planner" in meta:
             self.planner.load_state_dict(meta["planner"])
+        if "reward_scheduler" in meta:
+            self.rewards.load_state_dict(meta["reward_scheduler"])
         self._sync_weights()
         if self.is_main:
             print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
@@ -226,7 +230,7 @@ class Trainer:
                 if plan and plan.kind == "short" else None)        # tail batching's speculative short round
         preempted = total_preemptions(self.svc)
         hooks = self._stream_hooks(prompts) if self.stream else {}
-        comps, rewards, rstats = rl.rollout_and_score(self.svc, self.pool, self.tokenizer, cfg, prompts, rows,
+        comps, rewards, rstats = rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows,
                                                       self.step, self.tokenizer.eos_ids, race=race,
                                                       responses=plan.responses if plan else None, **hooks)
         if plan:          # only the accepted prompts train; the short round's others join the long-prompt queue
@@ -257,6 +261,7 @@ class Trainer:
                                                           sync_s=t4 - t3, step_seconds=t4 - t0),
                            lr=float(self.lr(self.step * cfg.algo.mini_batches)), svc=self.svc)
         out["preemptions"] = preempted
+        out.update(self.rewards.metrics())         # reward/...: cancellations, elapsed time, adaptive timeouts
         if plan:
             out.update(tail_metrics(plan, rstats, lens, queue_len=len(self.tail.queue)))
         if self.planner:

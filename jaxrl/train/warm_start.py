@@ -23,10 +23,10 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
                           mb_rows: int | None, model_cfg, metrics, *, is_main: bool = True):
     """`cfg.warm_start.steps` NLL steps (token-mean, its own optimizer) from `params`; returns the new
     params. `mb_rows`: the fixed micro-batch rows of the RL update (None: the fused whole-batch step)."""
-    from jaxrl.data.tasks import BUILTIN_TASKS
+    from jaxrl.data.tasks import TASKS
 
     w = cfg.warm_start
-    other = sorted({row["task"] for row in dataset} - set(BUILTIN_TASKS))
+    other = sorted({row["task"] for row in dataset} - set(TASKS))
     if other:
         if is_main:
             print(f"[train] warm start skipped: it supervises the built-in tasks only, and the data has task "
