@@ -13,6 +13,7 @@ from jaxrl import algos
 from jaxrl.config.base import ConfigError
 from jaxrl.config.generate import EngineSection, SamplingSection
 from jaxrl.config.stream import StreamSection, check_stream
+from jaxrl.config.train_rollout import TailBatchingSection, TrainSamplingSection
 from jaxrl.config.train import AlgoSection, DistributedSection, TrainConfig, TrainerSection
 from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.runtime import CompileCounter
@@ -269,6 +270,8 @@ def test_plan_shrink_rule():
     ("trainer.micro_batch_tokens", dict(trainer=TrainerSection(micro_batch_tokens=None))),
     ("engine.instances", dict(engine=EngineSection(instances=3))),
     ("engine.instances", dict(engine=EngineSection(instances=1))),
+    ("rollout.tail_batching.dynamic_sampling",
+     dict(rollout=TrainSamplingSection(tail_batching=TailBatchingSection(enabled=True, dynamic_sampling=True)))),
 ])
 def test_refusals_name_the_key(key, cfg):
     cfg = TrainConfig(**{"engine": EngineSection(instances=2), **cfg})

@@ -98,17 +98,22 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tail):
             assert [r[key] for r in _metrics(full)] == [r[key] for r in rows], key
 
 
-@pytest.mark.parametrize("tail", [False, True], ids=["sync", "tail_batching"])
+DYNAMIC = ["rollout.tail_batching.dynamic_sampling=true", "rollout.tail_batching.max_waves=2"]
+
+
+@pytest.mark.parametrize("tail", [0, 1, 2], ids=["sync", "tail_batching", "dynamic_sampling"])
 def test_two_processes_equal_one(tmp_path, tail):
     """With tail batching the two processes also agree with one on every round's accepted prompts and the
-    queue (the race is decided on lengths, the queue is global)."""
+    queue (the race is decided on lengths, the queue is global); with DAPO dynamic sampling on top, on the
+    dropped groups and the waves too."""
     one, two = tmp_path / "one", tmp_path / "two"
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
     # a sign there), amplifying that noise to ~1e-5; eps=1e-3 keeps the update continuous in the
     # gradient, so "within float tolerance" is what is actually compared.
     common = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3"]
-    common += (TAIL + ["steps=3"]) * tail         # steps 0, 1 short, step 2 the long round
+    common += (TAIL + ["steps=3"]) * bool(tail)   # steps 0, 1 short, step 2 the long round
+    common += DYNAMIC * (tail == 2)
     _train(one, *common, "engine.instances=8")
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
            *TINY, *common, "engine.instances=4"]
@@ -119,7 +124,11 @@ def test_two_processes_equal_one(tmp_path, tail):
     if tail:
         keys += ["tail/long_round", "tail/queue_len", "tail/queued", "tail/prompts_trained", "tail/aborted_responses",
                  "tail/wasted_tokens"]
-        assert [r["tail/long_round"] for r in m1] == TAIL_KINDS[:3]
+        if tail == 2:
+            keys += ["tail/dropped_groups", "tail/waves", "tail/batch_short", "tail/prompts_launched"]
+            assert sum(r["tail/dropped_groups"] for r in m1) > 0 and max(r["tail/waves"] for r in m1) == 2
+        else:
+            assert [r["tail/long_round"] for r in m1] == TAIL_KINDS[:3]
     for key in keys:
         assert [r[key] for r in m1] == [r[key] for r in m2], key      # the same rollouts
     for a, b in zip(_params(one), _params(two)):
@@ -189,3 +198,17 @@ def test_stream_trainer_step_equals_synchronous(tmp_path):
     assert stream[1]["compiles"] == 0
     for a, b in zip(_params(tmp_path / "sync"), _params(tmp_path / "stream")):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+
+def test_dynamic_sampling_with_no_signal_trains_nothing(tmp_path):
+    """A reward that is the same for every response: dynamic sampling drops every group, so after the
+    warm start the weights never move and each step reports the whole batch short."""
+    warm, run = tmp_path / "warm", tmp_path / "run"
+    const = ["rewards.fn=tests.test_dynamic_sampling:constant_reward", "steps=2", "save_every=null"]
+    _train(warm, "steps=0")
+    _train(run, *TAIL, *DYNAMIC, *const)
+    for a, b in zip(_params(warm), _params(run)):
+        np.testing.assert_array_equal(a, b)
+    rows = _metrics(run)
+    assert [r["tail/batch_short"] for r in rows] == [8, 8] and all(r["tail/prompts_trained"] == 0 for r in rows)
+    assert all(r["tail/dropped_groups"] == r["tail/prompts_launched"] == 24 for r in rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import ConfigError, Section, check_float
+from .base import ConfigError, Section, check_float, check_int
 from .generate import EngineSection, SamplingSection
 from .planner import PlannerSection
 
@@ -17,15 +17,25 @@ class TailBatchingSection(Section):
     prompts x ⌈eta_responses·R0⌉ responses (P0 = algo.prompts_per_step, R0 = algo.group_size), keeps the
     first R0 finished responses of the first P0 prompts to have them and aborts the rest; the prompts it
     drops wait in the long-prompt queue, and once it holds P0 of them the next step is a long round (P0
-    queued prompts x R0, no speculation). The paper's setting: 1.25 for both."""
+    queued prompts x R0, no speculation). The paper's setting: 1.25 for both.
+
+    `dynamic_sampling` (DAPO, `jaxrl.train.rounds`): groups whose rewards are all equal are dropped (neither
+    trained nor queued) and a short round draws up to `max_waves` speculative waves until P0 prompts with
+    unequal rewards are kept."""
 
     enabled: bool = False                # speculative short rounds + long rounds from the long-prompt queue
     eta_prompts: float = 1.25            # short round: prompts launched / prompts kept (>= 1)
     eta_responses: float = 1.25          # short round: responses launched per prompt / kept (>= 1)
+    dynamic_sampling: bool = False       # DAPO: drop all-equal reward groups, refill the short round
+    max_waves: int = 4                   # dynamic sampling: speculative draws per short round at most
 
     def __post_init__(self):
         check_float("eta_prompts", self.eta_prompts, above=0.0)
         check_float("eta_responses", self.eta_responses, above=0.0)
+        check_int("max_waves", self.max_waves, minimum=1)
+        if self.dynamic_sampling and not self.enabled:
+            raise ConfigError("dynamic_sampling", "rides on tail batching's over-sampling race: set "
+                              "rollout.tail_batching.enabled=true as well")
         for name in ("eta_prompts", "eta_responses"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1 (the speculation factor), got {getattr(self, name)}")

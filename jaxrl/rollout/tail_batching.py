@@ -27,8 +27,15 @@ decided prompts and the lower bound of its undecided ones), and the queue is the
 every process, dealt out by position in a long round, so every process runs the same program and the
 checkpoint (process 0's `state_dict`) resumes under any process count.
 
+DAPO's dynamic sampling (`Race(filter_equal=True)`) rides on the same race: a prompt counts towards
+the P0 only once its kept group is scored (`scored(p, rewards)`) and its rewards are not all equal;
+a group whose rewards are all equal is dropped (neither trained nor queued: it carries no gradient).
+The order stays length-first, so the outcome depends on lengths and rewards only, never on timing.
+When every prompt of the round is resolved and fewer than P0 are eligible, the round keeps all the
+eligible ones; the caller then draws another wave (`jaxrl.train.rounds`).
+
 Simplified relative to the paper: the queue is FIFO by the step a prompt was deferred (then dataset
-index); the paper does not specify an order. DAPO-style dynamic sampling is not part of this module.
+index); the paper does not specify an order.
 """
 
 from __future__ import annotations
@@ -77,11 +84,17 @@ class Race:
     `kept(p)` (sample indices, ascending) are final once `decided`.
 
     `keys[p]` is prompt p's global tie-break key (`RoundPlan.keys`); `gather(array)` returns the array
-    of every process stacked on a new first axis (identity-stacked on one process).
+    of every process stacked on a new first axis (identity-stacked on one process). With several
+    processes every process must call `poll` equally often until `decided` (it gathers each time).
+
+    `filter_equal` (DAPO dynamic sampling): a decided prompt is eligible only after `scored(p, rewards)`
+    with rewards not all equal. Once decided, `dropped` lists the all-equal prompts ahead of the cut-off
+    (the others not accepted are the caller's to queue). If the whole round resolves with fewer than
+    `accept` eligible prompts (globally), every eligible prompt is accepted and every all-equal one dropped.
     """
 
     def __init__(self, keys: Sequence[int], responses: int, keep: int, accept: int,
-                 gather: Callable[[np.ndarray], np.ndarray] | None = None):
+                 gather: Callable[[np.ndarray], np.ndarray] | None = None, *, filter_equal: bool = False):
         if keep > responses:
             raise ValueError(f"keep={keep} > responses={responses}")
         self.keys = [int(k) for k in keys]
@@ -91,6 +104,10 @@ class Race:
         self.lower = np.ones((self.n, self.m), np.int64)          # lower bound of the final length
         self.aborted = np.zeros((self.n, self.m), bool)
         self._kept: dict[int, list[int]] = {}                     # decided prompts: their first R0 responses
+        self.filter_equal = filter_equal
+        self._scored: set[int] = set()
+        self._equal: set[int] = set()                             # scored groups whose rewards are all equal
+        self.dropped: list[int] = []                              # final: the dropped ones (up to the cut-off)
         self.accepted: list[int] | None = None
 
     @property
@@ -104,8 +121,30 @@ class Race:
         if self.final[p, j] < 0:
             self.lower[p, j] = max(self.lower[p, j], generated + 1)
 
+    @property
+    def known(self) -> list[int]:
+        """Prompts whose first R0 responses are known (`kept(p)` is final)."""
+        return sorted(self._kept)
+
     def kept(self, p: int) -> list[int]:
         return sorted(self._kept[p])
+
+    def scored(self, p: int, rewards) -> None:
+        """Prompt p's kept group is scored (`rewards` in sample order); call once, after p is decided."""
+        if p not in self._kept:
+            raise ValueError(f"prompt {p} is scored before its first {self.keep} responses are known")
+        if p in self._scored or self.decided:
+            return
+        self._scored.add(p)
+        r = np.asarray(rewards)
+        if self.filter_equal and r.size and bool(np.all(r == r.flat[0])):
+            self._equal.add(p)
+
+    def _resolved(self, p: int) -> bool:
+        return p in self._kept and (not self.filter_equal or p in self._scored)
+
+    def _eligible(self, p: int) -> bool:
+        return self._resolved(p) and p not in self._equal
 
     def _decide_prompt(self, p: int) -> bool:
         """Prompt p's first R0 finishers are known when the R0-th shortest finished response beats every
@@ -148,8 +187,8 @@ class Race:
     def _decide_round(self) -> None:
         """Global: the first `accept` prompts are known when the accept-th smallest decided key is below
         the lower bound of every undecided prompt on every process."""
-        decided = sorted(self._prompt_key(p) for p in self._kept)[:self.accept]
-        undecided = [self._prompt_key(p) for p in range(self.n) if p not in self._kept]
+        decided = sorted(self._prompt_key(p) for p in range(self.n) if self._eligible(p))[:self.accept]
+        undecided = [self._prompt_key(p) for p in range(self.n) if not self._resolved(p)]
         local = np.full((self.accept + 1, 2), INF, np.int64)
         if decided:
             local[:len(decided)] = decided
@@ -159,11 +198,17 @@ class Race:
         keys = sorted(tuple(map(int, k)) for k in every[:, :self.accept].reshape(-1, 2) if k[0] < INF)
         bound = min(tuple(map(int, k)) for k in every[:, self.accept])
         if len(keys) < self.accept:
+            if bound[0] >= INF:        # every prompt everywhere resolved (dynamic sampling): keep all eligible
+                self.accepted = [p for p in range(self.n) if self._eligible(p)]
+                self.dropped = sorted(self._equal)
             return
         cutoff = keys[self.accept - 1]
         if cutoff >= bound:
             return
-        self.accepted = sorted(p for p in self._kept if self._prompt_key(p) <= cutoff)
+        self.accepted = sorted(p for p in range(self.n) if self._eligible(p) and self._prompt_key(p) <= cutoff)
+        # dropped: the all-equal groups before the cut-off (all resolved by then); those after it are queued
+        # whether or not their rewards had come back, so the outcome never depends on reward timing
+        self.dropped = sorted(p for p in self._equal if self._prompt_key(p) <= cutoff)
 
 
 class TailBatcher:
@@ -205,19 +250,30 @@ class TailBatcher:
             raise ValueError(f"a short round draws {self.launch} rows per process, got {len(rows)}")
         return RoundPlan("short", rows, self.responses, self.R0, self.P0, self._keys(len(rows)))
 
+    def wave(self, next_rows: Callable[[], list[dict]], accept: int) -> RoundPlan:
+        """Another speculative draw of the same short round (dynamic sampling's refill) racing for the
+        `accept` prompts (global) the round still lacks."""
+        rows = next_rows()
+        if len(rows) != self.launch:
+            raise ValueError(f"a short round draws {self.launch} rows per process, got {len(rows)}")
+        return RoundPlan("short", rows, self.responses, self.R0, accept, self._keys(len(rows)))
+
     def _keys(self, n: int) -> list[int]:
         return [k * self.procs + self.rank for k in range(n)]
 
-    def settle(self, plan: RoundPlan, accepted: Sequence[int], step: int) -> list[int]:
-        """Queue the short round's prompts this and every other process did not keep; returns the global
-        list of dataset indices queued."""
-        self.rounds[plan.kind] += 1
+    def settle(self, plan: RoundPlan, accepted: Sequence[int], step: int, dropped: Sequence[int] = (), *,
+               count: bool = True) -> list[int]:
+        """Queue the short round's prompts this and every other process neither kept nor `dropped` (dynamic
+        sampling's all-equal groups); returns the global list of dataset indices queued. `count=False`
+        for a round's later waves (one round, however many waves)."""
+        if count:
+            self.rounds[plan.kind] += 1
         if plan.kind == "long":
             return []
-        keep = set(accepted)
-        local = np.full(self.launch, -1, np.int64)
-        dropped = [row["index"] for k, row in enumerate(plan.rows) if k not in keep]
-        local[:len(dropped)] = dropped
+        keep = set(accepted) | set(dropped)
+        local = np.full(len(plan.rows), -1, np.int64)
+        deferred = [row["index"] for k, row in enumerate(plan.rows) if k not in keep]
+        local[:len(deferred)] = deferred
         every = np.asarray(self.gather(local)).reshape(-1)
         queued = sorted(int(i) for i in every if i >= 0)
         self.queue += [(step, i) for i in queued]

@@ -61,7 +61,9 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     every engine step the race is told the live lengths and the responses it gives up are aborted at once
     (pages freed). Only the accepted prompts' kept responses come back (`stats["accepted"]`: their local
     prompt indices) and only theirs are waited for; the stats count the aborted responses and tokens and
-    the decoded tokens thrown away (aborted + finished but not kept).
+    the decoded tokens thrown away (aborted + finished but not kept). A race with `filter_equal` (DAPO
+    dynamic sampling) is told each decided prompt's group rewards as they arrive; `stats["dropped"]` are
+    the local prompts whose rewards were all equal (neither returned nor to be queued).
 
     `params_fn(row, params) -> SamplingParams` may adjust each prompt's request (benchmarks give each prompt
     its own stop tokens). Streaming hooks (RollPacker's stream trainer): `on_step(finished, total)` after
@@ -83,6 +85,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     waiting, results, first_error = {}, {}, []
     aborted = aborted_tokens = engine_steps = finished = 0
     emitted: set[int] = set()
+    told: set[int] = set()
 
     def emit_groups():
         """Hand every prompt whose kept responses are all scored to `on_group`, once."""
@@ -93,6 +96,14 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             if p not in emitted and all((p, j) in results for j in js):
                 emitted.add(p)
                 on_group(p, [comps[p][j] for j in js], np.asarray([scores[p, j] for j in js], np.float32))
+
+    def tell_race():
+        """Each decided prompt's kept group, once fully scored, to the race (dynamic sampling decides on it)."""
+        for p in race.known if race is not None and not race.decided else ():
+            js = race.kept(p)
+            if p not in told and all((p, j) in results for j in js):
+                told.add(p)
+                race.scored(p, [scores[p, j] for j in js])
 
     def take(polled):
         for res in polled.responses:
@@ -105,7 +116,14 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             if res.status != "ok" and not first_error:
                 first_error.append(f"{res.status} in {name}: {res.error}")
 
-    while svc.has_work():
+    # with a race, also until it is decided: its poll gathers from every process, so a process whose own
+    # requests are done keeps polling with the others (and dynamic sampling waits for group rewards)
+    while svc.has_work() or (race is not None and not race.decided):
+        if not svc.has_work():
+            take(sched.poll(timeout=0.02))
+            tell_race()
+            race.poll()
+            continue
         engine_steps += 1
         for c in svc.step():
             p, j = where[c.request_id]
@@ -121,6 +139,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
         if on_step is not None and race is None:
             on_step(finished, len(prompts) * G)
         if race is not None:
+            tell_race()
             for s in svc.sequence_stats():
                 race.progress(*where[s["request_id"]], s["generated"])
             for p, j in race.poll():
@@ -145,7 +164,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                  if c is not None and (p, j) not in wanted)
     stats = dict(items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
                  first_error=first_error[0] if first_error else "", seconds=time.perf_counter() - t0,
-                 engine_steps=engine_steps, accepted=accepted, aborted=aborted, aborted_tokens=aborted_tokens,
+                 engine_steps=engine_steps, accepted=accepted,
+                 dropped=[] if race is None else list(race.dropped), aborted=aborted, aborted_tokens=aborted_tokens,
                  wasted_tokens=wasted + aborted_tokens)
     return [comps[p][j] for p, j in kept], np.asarray([scores[p, j] for p, j in kept], np.float32), stats
 

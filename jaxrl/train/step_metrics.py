@@ -12,9 +12,13 @@ from .distributed import gather_ragged, global_max, global_sum
 def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float, svc) -> dict:
     """Rewards, response lengths, the update's statistics `m`, reward failures, preemptions, engine steps,
     the stage `times` and the mechanisms' counters in `m` (`blockwise/...`, `stream/...`)."""
-    all_r = gather_ragged(np.asarray(rewards, np.float64))
-    all_l = gather_ragged(np.asarray(lens, np.float64))
+    # float64 after the gather too: across processes values travel as float32 (exact for float32 rewards),
+    # and a float32 mean would differ from one process's float64 one in the last digits
+    all_r = np.asarray(gather_ragged(np.asarray(rewards, np.float64)), np.float64)
+    all_l = np.asarray(gather_ragged(np.asarray(lens, np.float64)), np.float64)
     counts = global_sum([rstats["timeouts"], rstats["crashes"], sum(s["preemptions"] for s in svc.stats())])
+    if not all_r.size:                 # nothing trained (dynamic sampling dropped every group): zeros
+        all_r = all_l = np.zeros(1)
     out = {"reward_mean": all_r.mean(), "reward_std": all_r.std(),
            "pass_rate": float(np.mean(all_r >= 1.0)), "response_len_mean": all_l.mean(),
            "response_len_p50": float(np.percentile(all_l, 50)), "response_len_p90": float(np.percentile(all_l, 90)),
@@ -27,13 +31,17 @@ def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float
     return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
 
 
-def tail_metrics(plan, rstats: dict, lens, *, queue_len: int) -> dict:
-    """tail/...: the round (1 = long), the long-prompt queue after it, prompts launched and trained, the
-    responses aborted and their tokens, decoded tokens thrown away, the round's longest kept response."""
-    launched, trained, aborted, aborted_tok, wasted = global_sum(
-        [len(plan.rows), len(rstats["accepted"]), rstats["aborted"], rstats["aborted_tokens"], rstats["wasted_tokens"]])
+def tail_metrics(plan, rstats: dict, lens, *, trained: int, queue_len: int) -> dict:
+    """tail/...: the round (1 = long), the long-prompt queue after it, prompts launched (over every wave)
+    and trained, the responses aborted and their tokens, decoded tokens thrown away, the round's longest
+    kept response; with dynamic sampling the groups dropped (all rewards equal), the waves drawn and the
+    prompts the batch still lacked."""
+    launched, trained, aborted, aborted_tok, wasted, dropped = global_sum(
+        [rstats.get("launched", len(plan.rows)), trained, rstats["aborted"], rstats["aborted_tokens"],
+         rstats["wasted_tokens"], rstats.get("dropped", 0)])
     return {"tail/long_round": int(plan.kind == "long"), "tail/queue_len": queue_len,
             "tail/queued": len(rstats.get("queued", [])), "tail/prompts_launched": int(launched),
             "tail/prompts_trained": int(trained), "tail/aborted_responses": int(aborted),
             "tail/aborted_tokens": int(aborted_tok), "tail/wasted_tokens": int(wasted),
-            "tail/max_response_len": global_max(max(lens, default=0))}
+            "tail/max_response_len": global_max(max(lens, default=0)), "tail/dropped_groups": int(dropped),
+            "tail/waves": int(rstats.get("waves", 1)), "tail/batch_short": int(rstats.get("batch_short", 0))}

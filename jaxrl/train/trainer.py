@@ -43,9 +43,10 @@ from . import rl
 from .batch import FIELDS, INT_FIELDS, Sample
 from .blockwise import BlockwiseUpdater
 from .rollout_kv import KVStager
+from .rounds import tail_round
 from jaxrl.rollout.shapes import fine_bucket
 from jaxrl.rollout.planner import apply as apply_layout, total_preemptions
-from jaxrl.rollout.tail_batching import Race, TailBatcher
+from jaxrl.rollout.tail_batching import TailBatcher
 from .checkpoint import CheckpointManager
 from .curves import plot_run
 from .distributed import allgather, global_sum
@@ -223,19 +224,26 @@ class Trainer:
     def rl_step(self) -> dict:
         cfg, G = self.cfg, self.cfg.algo.group_size
         t0 = time.perf_counter()
-        plan = self.tail.plan(lambda: next(self.loader), self.dataset, self.step) if self.tail else None
-        rows = plan.rows if plan else next(self.loader)
-        prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
-        race = (Race(plan.keys, plan.responses, plan.keep, plan.accept, gather=allgather)
-                if plan and plan.kind == "short" else None)        # tail batching's speculative short round
         preempted = total_preemptions(self.svc)
-        hooks = self._stream_hooks(prompts) if self.stream else {}
-        comps, rewards, rstats = rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows,
-                                                      self.step, self.tokenizer.eos_ids, race=race,
-                                                      responses=plan.responses if plan else None, **hooks)
-        if plan:          # only the accepted prompts train; the short round's others join the long-prompt queue
-            rstats["queued"] = self.tail.settle(plan, rstats["accepted"], self.step)
-            prompts = [prompts[p] for p in rstats["accepted"]]
+        hooks = {}
+
+        def rollout(rows, race=None, responses=None):
+            prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
+            if self.stream:
+                hooks.update(self._stream_hooks(prompts))
+            return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, self.step,
+                                        self.tokenizer.eos_ids, race=race, responses=responses, **hooks)
+
+        plan = None
+        if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
+            tb = cfg.rollout.tail_batching
+            got = tail_round(self.tail, lambda: next(self.loader), self.dataset, self.step, rollout,
+                             dynamic_sampling=tb.dynamic_sampling, max_waves=tb.max_waves, gather=allgather)
+            plan, rows, comps, rewards, rstats = got.plan, got.rows, got.completions, got.rewards, got.stats
+        else:
+            rows = next(self.loader)
+            comps, rewards, rstats = rollout(rows)
+        prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)   # the trained prompts, in order
         preempted = int(global_sum(total_preemptions(self.svc) - preempted))
         if self.planner:         # this round type's next TP, from this step's preemptions (applied at the sync)
             self.planner.decide(plan.kind if plan else "sync", preempted)
@@ -245,7 +253,11 @@ class Trainer:
         lens = [len(c.tokens) for c in comps]
         adv = rl.advantages(cfg, rewards, lens)
         samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
-        if self.stream:      # the groups' gradients were (partly) computed during the rollout
+        if plan and not int(global_sum([len(samples)])[0]):     # dynamic sampling kept no group with signal
+            log.warning("step %d: every group's rewards were all equal (dynamic sampling, %d waves); nothing to "
+                        "train, no update", self.step, rstats["waves"])
+            m = {"kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "loss": 0.0, "skipped": 0}
+        elif self.stream:      # the groups' gradients were (partly) computed during the rollout
             self.params, self.opt_state, m = self.stream.finish(self.params, self.opt_state)
             m = jax.device_get(m)
         elif self.updater:
@@ -263,7 +275,7 @@ class Trainer:
         out["preemptions"] = preempted
         out.update(self.rewards.metrics())         # reward/...: cancellations, elapsed time, adaptive timeouts
         if plan:
-            out.update(tail_metrics(plan, rstats, lens, queue_len=len(self.tail.queue)))
+            out.update(tail_metrics(plan, rstats, lens, trained=len(rows), queue_len=len(self.tail.queue)))
         if self.planner:
             out.update(self.planner.metrics())
         return out
