@@ -97,10 +97,13 @@ def test_eq1_eq2_and_eq3_eq4_by_hand():
     assert pred.recompute_seconds(4, groups) == pytest.approx(want)
 
 
-def test_redistribution_balances_context_tokens():
-    live = [Live(c, 1, 0) for c in (500, 400, 300, 200, 100, 100)]
+def test_redistribution_deals_like_relayout():
+    """Request-id order, each to the group with the fewest context tokens so far (ties: lower index)."""
+    live = [Live(c, 1, 0, rid) for rid, c in zip((5, 0, 3, 1, 4, 2), (500, 400, 300, 200, 100, 100))]
     groups = merge_and_redistribute(live, 2)
-    assert [sorted(x.context for x in g) for g in groups] == [[100, 200, 500], [100, 300, 400]]
+    # loads (g0, g1): rid0 400 -> (400, 0); rid1 200 -> (400, 200); rid2 100 -> (400, 300); rid3 300 -> (400, 600);
+    # rid4 100 -> (500, 600); rid5 500 -> (1000, 600)
+    assert [[x.rid for x in g] for g in groups] == [[0, 4, 5], [1, 2, 3]]
     assert all(x.group == k for k, g in enumerate(groups) for x in g)
 
 

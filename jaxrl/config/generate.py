@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .adaptive_tp import AdaptiveTPSection
 from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
 from .sections import ModelSection
 
@@ -72,6 +73,7 @@ class EngineSection(Section):
     overlap: bool = True          # dispatch decode step n+1 before reading step n
     batch_buckets_per_octave: int = 2   # decode batch buckets per doubling (more: less padding, more compiles)
     page_buckets: int = 4         # decode/prefill page-table widths: max_pages / 2^i, i < this (>= 4 pages)
+    adaptive_tp: AdaptiveTPSection = dataclasses.field(default_factory=AdaptiveTPSection)   # PAT
 
     def __post_init__(self):
         check_choice("attention_impl", self.attention_impl, ("xla", "pallas"))
@@ -97,7 +99,7 @@ class EngineSection(Section):
         """The `jaxrl.rollout.RolloutService` this section describes, holding `weights`."""
         from jaxrl.rollout import RolloutService
 
-        return RolloutService(model_cfg, weights, tp=self.tp, instances=self.instances, devices=devices,
+        svc = RolloutService(model_cfg, weights, tp=self.tp, instances=self.instances, devices=devices,
                               page_size=self.page_size, num_pages=self.num_pages,
                               kv_bytes_per_device=self.kv_bytes_per_device,
                               kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
@@ -105,6 +107,8 @@ class EngineSection(Section):
                               attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
                               prefill_tokens=self.prefill_tokens, overlap=self.overlap,
                               batch_buckets_per_octave=self.batch_buckets_per_octave, page_buckets=self.page_buckets)
+        svc.adaptive = self.adaptive_tp.build(self.num_devices, model_cfg)
+        return svc
 
 
 @dataclasses.dataclass(frozen=True)

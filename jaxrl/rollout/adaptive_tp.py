@@ -20,8 +20,8 @@ a layout's remaining time is the maximum over its groups. When every sequence st
 same maximum this is exactly the paper's est_rem_time(tp, rbs, L_max, L_gen).
 
 **Merged batch** (`compute_merged_bs`, line 7): a candidate layout's groups receive the live sequences
-dealt in the service's order (longest context first, to the least-loaded group by context tokens), the
-same rule `RolloutService.relayout` attaches with.
+dealt as `RolloutService.relayout` attaches them (request-id order, each to the least-loaded group by
+context tokens).
 
 **Switch cost** (line 9): state handling + weight reshard + compile + control.
 - Migration (Eq. 1–2): S_kv^rank = Σ_i 2·M·L_i·(H_kv / TP_src)·s over the sequences of a source group
@@ -158,11 +158,13 @@ class _Surface:
 @dataclasses.dataclass(frozen=True)
 class Live:
     """One live sequence as the controller sees it: its context length now (prompt + generated), the decode
-    steps it may still take (max_new_tokens − generated: the conservative bound), its TP group."""
+    steps it may still take (max_new_tokens − generated: the conservative bound), its TP group, its request
+    id (the order `relayout` deals sequences in)."""
 
     context: int
     remaining: int
     group: int = 0
+    rid: int = 0
 
 
 class Predictor:
@@ -236,11 +238,13 @@ class Predictor:
 
 # ------------------------------------------------------------------------------------ redistribution
 def merge_and_redistribute(live: Seq[Live], groups: int) -> list[list[Live]]:
-    """compute_merged_bs: the live sequences dealt to `groups` target groups, longest context first, each to
-    the group holding the fewest context tokens so far (ties: the lower index)."""
+    """compute_merged_bs: the live sequences dealt to `groups` target groups as `migration.relayout` deals
+    them: in request-id order, each to the group holding the fewest context tokens so far (ties: the lower
+    index). (Relayout keeps a prompt's samples that share KV pages together; the predictor deals them one
+    by one, which differs only in which group a shared group lands.)"""
     out: list[list[Live]] = [[] for _ in range(groups)]
     load = [0] * groups
-    for x in sorted(live, key=lambda x: -x.context):
+    for x in sorted(live, key=lambda x: x.rid):
         g = min(range(groups), key=lambda k: (load[k], k))
         out[g].append(dataclasses.replace(x, group=g))
         load[g] += x.context

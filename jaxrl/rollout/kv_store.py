@@ -101,9 +101,11 @@ class KVStore:
             self.export([0] * n, 0)
 
     def take(self, pages: list[int]) -> tuple[jax.Array, jax.Array]:
-        """K, V of `pages` [layers, n, kv_heads, page_size, head_dim] on this pool's devices (relayout staging)."""
-        idx = jnp.asarray(pages, jnp.int32)
-        return _take_all(self.k, self.v, idx)
+        """K, V of `pages` [layers, n', kv_heads, page_size, head_dim] on this pool's devices (relayout staging);
+        n' = `fine_bucket(len(pages))` (bounded shapes: rows past len(pages) repeat the first page)."""
+        idx = _padded(list(pages))
+        idx[len(pages):] = pages[0] if pages else 0
+        return _take_all(self.k, self.v, jnp.asarray(idx))
 
 
 def _padded(ids: list[int], bucket=fine_bucket) -> np.ndarray:

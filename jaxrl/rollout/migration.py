@@ -58,6 +58,7 @@ class RelayoutReport:
     weight_bytes: int           # bytes the new instances' devices received (`ReshardReport.bytes_moved`)
     compiles: int = 0           # executables compiled by the switch itself (0: none; steps compile lazily)
     seconds: float = 0.0
+    weight_seconds: float = 0.0  # of which the layer-wise weight reshard (to the new instances' meshes)
 
 
 @dataclasses.dataclass
@@ -168,11 +169,15 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
         _delete(inst.weights, src_buf | inst.external | external)
     probe()
     new, weight_bytes, held = [], 0, set()
+    weight_s = 0.0
     for j, devs in enumerate(groups):                           # 4. weights, 5. instances
         mesh = Layout(tp=len(devs)).make_mesh(devs)
         keep = external | held                                   # buffers someone else still needs
         last = j == len(groups) - 1
+        t_w = time.perf_counter()
         w, r = svc.place(src_w, mesh, progress=probe, donate=(lambda x: not buffers(x) & keep) if last else False)
+        jax.block_until_ready(w)
+        weight_s += time.perf_counter() - t_w
         mine = buffers(w)
         held |= mine
         weight_bytes += r.bytes_moved
@@ -193,7 +198,7 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
     for inst, sts in zip(new, assigned):
         if sts:
             r = attach(sts, inst, sources, kv)
-            for f in ("migrated", "recomputed", "pages_moved", "kv_bytes", "kv_bytes_predicted"):
+            for f in ("migrated", "recomputed", "pages_moved", "kv_bytes", "kv_bytes_predicted", "seconds"):
                 setattr(rep, f, getattr(rep, f) + getattr(r, f))
             probe()
     for src in sources.values():
@@ -201,5 +206,5 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
             x.delete()
     probe()
     report = RelayoutReport([i.tp for i in old], [i.tp for i in new], len(everything), rep, weight_bytes,
-                            compiles=new[0].executor.cache.compiles - compiles0)
+                            compiles=new[0].executor.cache.compiles - compiles0, weight_seconds=weight_s)
     return new, report

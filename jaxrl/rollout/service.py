@@ -99,6 +99,7 @@ class RolloutService:
         self._rr = itertools.count()
         self._where: dict[int, Instance] = {}
         self._ready: list[Completion] = []
+        self.adaptive = None        # PAT (`tp_switch.AdaptiveTP`): may switch the layout after any step
 
     # ------------------------------------------------------------------ construction
     def weight_shardings(self, mesh):
@@ -209,6 +210,8 @@ class RolloutService:
         done += [c for inst in self.instances for c in inst.collect()]
         for c in done:
             self._where.pop(c.request_id, None)
+        if self.adaptive is not None:
+            self.adaptive.after_step(self)
         return done
 
     def stream(self) -> Iterator[Completion]:

@@ -45,7 +45,7 @@ from .blockwise import BlockwiseUpdater
 from .rollout_kv import KVStager
 from .rounds import tail_round
 from jaxrl.rollout.shapes import fine_bucket
-from jaxrl.rollout.planner import apply as apply_layout, total_preemptions
+from jaxrl.rollout.planner import RolloutLayout, apply as apply_layout, total_preemptions
 from jaxrl.rollout.tail_batching import TailBatcher
 from .checkpoint import CheckpointManager
 from .curves import plot_run
@@ -278,6 +278,9 @@ class Trainer:
             out.update(tail_metrics(plan, rstats, lens, trained=len(rows), queue_len=len(self.tail.queue)))
         if self.planner:
             out.update(self.planner.metrics())
+        if self.svc.adaptive is not None:        # PAT: this step's switch decisions (records: pat_decisions.jsonl)
+            out.update(self.svc.adaptive.step_metrics(self.step, self.run_dir / "pat_decisions.jsonl"
+                                                      if self.is_main else None))
         return out
 
     def _stream_hooks(self, prompts) -> dict:
@@ -297,7 +300,11 @@ class Trainer:
         """The new weights into the rollout instances; with the planner, on the layout it chose for the next
         step's round type (one reshard; a layout seen for the first time compiles its step set here)."""
         if not self.planner:
-            self.svc.update_weights(self.params)
+            if self.svc.adaptive is not None:     # PAT may have switched mid-rollout: back to the configured layout
+                e = self.cfg.engine
+                self.svc.adaptive.home(self.svc, RolloutLayout(e.tp, e.instances), self.params)
+            else:
+                self.svc.update_weights(self.params)
             return
         kind = self.tail.next_kind() if self.tail else "sync"
         apply_layout(self.svc, self.planner.layout_for(kind), self.params,
@@ -364,6 +371,8 @@ class Trainer:
             return
         t0 = time.perf_counter()
         n = self.svc.warm(self._rollout_params())
+        if self.svc.adaptive is not None:      # PAT's candidate layouts: a mid-rollout switch compiles nothing
+            n += self.svc.adaptive.warm_layouts(self.svc, self._rollout_params())
         if self.updater:
             sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
             keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * (self.cfg.algo.mini_batches > 1)

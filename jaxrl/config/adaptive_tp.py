@@ -1,0 +1,66 @@
+"""`engine.adaptive_tp`: PAT's mid-generation TP switching (`jaxrl.rollout.tp_switch`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import ConfigError, Section, check_choice, check_int, check_str
+
+KV_CHOICES = ("auto", "migrate", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveTPSection(Section):
+    """Every `check_every` decode steps, Algorithm 1 compares the predicted remaining decode time of the
+    current layout with each candidate TP's (merged batch, max-length bound) plus the switch cost, from the
+    profile `python -m jaxrl.rollout.profile` wrote, and relayouts the rollout pool mid-generation when a
+    candidate wins. `kv`: how live sequences move (auto = the cheaper of migrate and recompute per switch).
+    Between steps the pool returns to the step's starting layout (or the planner's)."""
+
+    enabled: bool = False
+    profile: str | None = None             # the profile JSON (python -m jaxrl.rollout.profile out=...)
+    candidates: tuple[int, ...] = ()       # TP sizes to switch among (empty = every one in the profile)
+    check_every: int = 16                  # decode steps between evaluations
+    kv: str = "auto"                       # auto | migrate | recompute
+
+    def __post_init__(self):
+        check_int("check_every", self.check_every, minimum=1)
+        check_choice("kv", self.kv, KV_CHOICES)
+        check_str("profile", self.profile, allow_none=True)
+        for t in self.candidates:
+            check_int("candidates", t, minimum=1)
+        if self.enabled and not self.profile:
+            raise ConfigError("profile", "adaptive_tp.enabled needs a profile: run python -m jaxrl.rollout.profile "
+                              "(same model and engine) and set engine.adaptive_tp.profile=PATH")
+
+    def build(self, devices: int, model_cfg=None):
+        """The `AdaptiveTP` driver for a rollout pool of `devices` devices (None when disabled); with
+        `model_cfg`, a candidate the rollout sharding rules cannot lay the model out on is refused."""
+        if not self.enabled:
+            return None
+        from pathlib import Path
+
+        from jaxrl.rollout.adaptive_tp import Predictor, Profile, SwitchController
+        from jaxrl.rollout.tp_switch import AdaptiveTP
+
+        path = Path(self.profile).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"engine.adaptive_tp.profile={path.absolute()}: no such file (python -m "
+                             "jaxrl.rollout.profile writes one)")
+        prof = Profile.load(path)
+        if prof.key.get("devices") not in (None, devices):
+            raise SystemExit(f"engine.adaptive_tp.profile={path.absolute()} was measured on a pool of "
+                             f"{prof.key['devices']} devices, this engine has {devices}: re-profile")
+        pred = Predictor(prof)
+        cands = list(self.candidates) or [t for t in pred.layouts if devices % t == 0]
+        if model_cfg is not None:
+            from jaxrl.rollout.planner import rollout_tp_problem
+
+            for t in cands:
+                if (why := rollout_tp_problem(model_cfg, t)) is not None:
+                    raise SystemExit(f"engine.adaptive_tp.candidates: TP {t} cannot shard this model ({why})")
+        try:
+            ctl = SwitchController(pred, cands, devices, kv=self.kv)
+        except ValueError as e:
+            raise SystemExit(f"engine.adaptive_tp: {e}") from None
+        return AdaptiveTP(ctl, check_every=self.check_every)

@@ -1,0 +1,139 @@
+"""PAT at run time: Algorithm 1 inside the rollout service's decode loop (`engine.adaptive_tp`).
+
+    svc.adaptive = AdaptiveTP(SwitchController(Predictor(Profile.load(path)), [1, 2, 4, 8], 8), check_every=16)
+    svc.run()                   # every 16 decode steps: decide; on a switch, svc.relayout(tp, kv=...) mid-generation
+    svc.adaptive.decisions      # one record per evaluation: inputs, each candidate's predicted times, the choice,
+                                # and the measured times afterwards (the switch's, the remaining decode's)
+    svc.adaptive.home(svc, weights)   # between steps: back to the step's starting layout (with the weight sync)
+
+After every engine step that decoded (`RolloutService.step` calls `after_step`), the driver counts decode
+steps; every `check_every` of them it reads the live sequences (context length, the tokens each may still
+generate, its instance), asks the controller, and on a switch relayouts the service to the chosen uniform
+layout with the chosen state handling (`migrate` moves the KV, `recompute` re-prefills it). Several
+switches per generation are allowed, in both directions. Waiting sequences count with their context as
+well: they will decode under whichever layout runs.
+
+Each decision's `actual` is filled in: `switch_s` (the relayout's measured seconds, with `kv_s` and
+`weight_bytes`), and, for every decision, `remaining_s`: the wall time from the decision to the end of
+that generation (the moment the service next runs out of work), to set against `current_s` / the chosen
+candidate's `remaining_s`. `warm(tp)` is true for a layout this process has already run (its executables
+are in the process-wide cache), so its compile cost counts as 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .adaptive_tp import Live, SwitchController, SwitchDecision
+
+log = logging.getLogger(__name__)
+
+
+class AdaptiveTP:
+    def __init__(self, controller: SwitchController, *, check_every: int = 16, min_batch: int = 1):
+        if check_every < 1:
+            raise ValueError(f"check_every={check_every} must be >= 1")
+        self.controller, self.check_every, self.min_batch = controller, check_every, min_batch
+        self.decisions: list[SwitchDecision] = []
+        self.seen: set[int] = set()            # layouts (TP sizes) this process has run: compiled
+        self._steps = 0
+        self._open: list[SwitchDecision] = []  # decisions of the running generation, awaiting `remaining_s`
+        self._reported = 0
+
+    def warm(self, tp: int) -> bool:
+        return tp in self.seen
+
+    @staticmethod
+    def uniform_tp(svc) -> int | None:
+        tps = set(svc.layout)
+        return tps.pop() if len(tps) == 1 else None
+
+    def live(self, svc) -> list[Live]:
+        return [Live(int(s["context_len"]), max(0, int(s["max_new_tokens"]) - int(s["generated"])), int(s["instance"]),
+                     int(s["request_id"])) for s in svc.sequence_stats()]
+
+    def after_step(self, svc) -> SwitchDecision | None:
+        """Called by the service after each engine step; returns the decision when one was evaluated."""
+        tp = self.uniform_tp(svc)
+        if tp is not None:
+            self.seen.add(tp)
+        if not svc.has_work():
+            self._close()
+            self._steps = 0
+            return None
+        self._steps += 1
+        if self._steps % self.check_every or tp is None:
+            return None
+        live = self.live(svc)
+        if len(live) < self.min_batch:
+            return None
+        d = self.controller.decide(tp, live, step=self._steps, warm=self.warm)
+        d.actual["t0"] = time.perf_counter()
+        if d.switch:
+            report = svc.relayout(d.tp, self.controller.devices // d.tp, kv=d.kv)
+            self.seen.add(d.tp)
+            d.actual.update(switch_s=report.seconds, kv_s=report.kv.seconds, weight_bytes=report.weight_bytes,
+                            kv_bytes=report.kv.kv_bytes, moved=report.sequences, compiles=report.compiles)
+            log.info("PAT: TP %d -> %d at decode step %d (%d live, %d context tokens; predicted %.3f s -> %.3f s "
+                     "+ %.3f s switch, kv %s; switched in %.3f s)", d.current, d.tp, d.step, d.batch, d.tokens,
+                     d.current_s, next(c.remaining_s for c in d.candidates if c.tp == d.tp),
+                     next(c.switch_s for c in d.candidates if c.tp == d.tp), d.kv, report.seconds)
+        self.decisions.append(d)
+        self._open.append(d)
+        return d
+
+    def _close(self) -> None:
+        now = time.perf_counter()
+        for d in self._open:
+            d.actual["remaining_s"] = now - d.actual.pop("t0")
+        self._open = []
+
+    def warm_layouts(self, svc, params) -> int:
+        """Compile every candidate layout's bounded step set now (`svc.warm(params)` on each, between steps),
+        so a switch mid-generation compiles nothing; the service ends on the layout it started on."""
+        start = list(svc.layout)
+        tp0 = self.uniform_tp(svc)
+        if tp0 is None:
+            raise ValueError(f"PAT needs a uniform layout, got {start}")
+        n = 0
+        for tp in self.controller.candidates:
+            if tp != tp0:
+                svc.relayout(tp, self.controller.devices // tp)
+                n += svc.warm(params)
+            self.seen.add(tp)
+        if svc.layout != start:
+            svc.relayout(tp0, len(start))
+        return n
+
+    def home(self, svc, layout, weights=None, *, warm=None):
+        """Between steps: bring the service back to `layout` (a `planner.RolloutLayout`: the step's starting
+        one, or the planner's), syncing `weights` on the way (`planner.apply`)."""
+        from .planner import apply
+
+        self._close()
+        self._steps = 0
+        return apply(svc, layout, weights, warm=warm)
+
+    def metrics(self, decisions=None) -> dict:
+        """pat/...: evaluations, switches, their measured seconds (over `decisions`, default all)."""
+        ds = self.decisions if decisions is None else decisions
+        sw = [d for d in ds if d.switch]
+        return {"pat/decisions": len(ds), "pat/switches": len(sw),
+                "pat/switch_s": float(sum(d.actual.get("switch_s", 0.0) for d in sw)),
+                "pat/max_tp": max([d.tp for d in ds], default=0)}
+
+    def step_metrics(self, step: int, path=None) -> dict:
+        """The metrics of the decisions since the last call; their records (with `rl_step`) are appended to
+        the JSONL file `path` when given (the train run's `pat_decisions.jsonl`)."""
+        import json
+
+        new, self._reported = self.decisions[self._reported:], len(self.decisions)
+        if path is not None and new:
+            with open(path, "a") as f:
+                for d in new:
+                    f.write(json.dumps({"rl_step": step, **d.record()}) + "\n")
+        return self.metrics(new)
+
+    def records(self) -> list[dict]:
+        return [d.record() for d in self.decisions]
