@@ -11,11 +11,12 @@ group:
   time recorded: T_prefill(B, L)), then `decode_steps` decode steps are timed and averaged (60 on a GPU
   as in the paper; fewer on the CPU by setting it). A step's context is L + its index, so the row is
   recorded at the mean context L + (decode_steps + 1) / 2;
-* compile: the seconds to compile the layout's whole bounded step set (`RolloutService.warm`);
+* compile: the seconds to compile the layout's whole bounded step set on its first TP group, times the
+  number of TP groups (executables are per device set; one host compiles them one after the other);
 * between layouts: the weight reshard + rebuild of `relayout` with nothing live, per (src, dst) pair
   (`reshard_seconds`: the control overhead of a switch rides in it), and the KV migration bandwidth,
-  calibrated so that Eq. 2 reproduces a measured migration: B_net = S_kv^rank (Eq. 1 of the moved
-  sequences) / the measured KV-move seconds;
+  calibrated so that Eq. 2 reproduces a measured (warm: the same move made once before) migration:
+  B_net = S_kv^rank (Eq. 1 of the moved sequences) / the measured KV-move seconds;
 * the controller's own time for one Algorithm 1 evaluation (`control_seconds`).
 
 The profile (JSON) is keyed by (model shape, device kind, dtype, pool size, engine shape, decode_steps)
@@ -104,8 +105,10 @@ def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: in
     """Compile time, then every (B, L) of the grid that fits T_cap on the layout's first TP group."""
     cap = token_cap(svc)
     t0 = time.perf_counter()
-    svc.warm()
-    compile_s = time.perf_counter() - t0
+    svc.instances[0].warm()                   # only the first TP group is measured
+    # executables are per device set: a layout seen for the first time compiles its step set once per
+    # instance (one after the other on one host)
+    compile_s = (time.perf_counter() - t0) * len(svc.instances)
     dec, pre = [], []
     for b in batches:
         for n in contexts:
@@ -147,6 +150,10 @@ def measure_switches(svc, tps: list[int], prof_layers: int, kv_bytes_per_token_l
         svc.step()
     svc.pause()
     live = [Live(s["context_len"], 0, s["instance"]) for s in svc.sequence_stats()]
+    # the first migration of these page counts compiles its staging executables: move there and back once,
+    # then time the same move warm
+    svc.relayout(dst, len(svc.devices) // dst, kv="migrate")
+    svc.relayout(src, len(svc.devices) // src, kv="migrate")
     report = svc.relayout(dst, len(svc.devices) // dst, kv="migrate")
     per_rank = max(sum(prof_layers * x.context * kv_bytes_per_token_layer for x in g) / src for g in by_group(live))
     bandwidth = per_rank / max(report.kv.seconds, 1e-9)
