@@ -207,6 +207,8 @@ def plot(out: dict, path: Path) -> None:
         ax0.bar(names, vals, bottom=bottom, label=part)
         bottom += vals
     ax0.set_ylabel("seconds")
+    ax0.set_xticks(range(len(names)))
+    ax0.set_xticklabels([n.replace("_", "\n", 1) for n in names], fontsize=7)
     ax0.set_title(f"switch cost (speed-up {out['switch_speedup']:.1f}x)")
     ax0.legend(fontsize=7)
     for tp, rows in out["trajectories"].items():
@@ -214,6 +216,7 @@ def plot(out: dict, path: Path) -> None:
         if len(rows):
             ax1.plot(rows[:, 1], rows[:, 2] * 1e3, ".", ms=2, label=f"TP {tp} measured")
             ax1.plot(rows[:, 1], np.asarray(out["predicted"][tp]) * 1e3, "-", lw=0.8, label=f"TP {tp} predicted")
+    ax1.set_yscale("log")
     ax1.set_xlabel("context tokens T (group 0)")
     ax1.set_ylabel("decode step (ms)")
     ax1.legend(fontsize=6)

@@ -81,7 +81,7 @@ def test_train_run_switches_and_returns_home(tmp_path):
            "train_layout.fsdp=8",
            "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp.profile={tmp_path / 'prof.json'}",
            "engine.adaptive_tp.candidates=[1, 4]", "engine.adaptive_tp.check_every=4",
-           "engine.adaptive_tp.kv=recompute")
+           "engine.adaptive_tp.kv=recompute", "engine.adaptive_tp.warm=true")
     rows = _metrics(run)
     assert [r["pat/switches"] for r in rows] == [1, 1] and all(r["pat/max_tp"] == 4 for r in rows)
     assert rows[1]["compiles"] == 0

@@ -15,13 +15,20 @@ class AdaptiveTPSection(Section):
     current layout with each candidate TP's (merged batch, max-length bound) plus the switch cost, from the
     profile `python -m jaxrl.rollout.profile` wrote, and relayouts the rollout pool mid-generation when a
     candidate wins. `kv`: how live sequences move (auto = the cheaper of migrate and recompute per switch).
-    Between steps the pool returns to the step's starting layout (or the planner's)."""
+    Between steps the pool returns to the step's starting layout (or the planner's).
+
+    `warm`: the train warm-up compiles every candidate layout's step set, so a switch compiles nothing. It
+    costs one compile of each layout's step set per instance (executables are per device set): with many
+    instances on one CPU host that can exceed the process's memory-mapping limit (LLVM then aborts), so it
+    is off by default; a layout is then compiled on its first switch, and until then the controller counts
+    the profiled compile time in that switch's cost."""
 
     enabled: bool = False
     profile: str | None = None             # the profile JSON (python -m jaxrl.rollout.profile out=...)
     candidates: tuple[int, ...] = ()       # TP sizes to switch among (empty = every one in the profile)
     check_every: int = 16                  # decode steps between evaluations
     kv: str = "auto"                       # auto | migrate | recompute
+    warm: bool = False                     # train warm-up compiles every candidate layout (no compile at a switch)
 
     def __post_init__(self):
         check_int("check_every", self.check_every, minimum=1)

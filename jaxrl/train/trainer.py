@@ -371,7 +371,7 @@ class Trainer:
             return
         t0 = time.perf_counter()
         n = self.svc.warm(self._rollout_params())
-        if self.svc.adaptive is not None:      # PAT's candidate layouts: a mid-rollout switch compiles nothing
+        if self.svc.adaptive is not None and self.cfg.engine.adaptive_tp.warm:   # PAT: a switch compiles nothing
             n += self.svc.adaptive.warm_layouts(self.svc, self._rollout_params())
         if self.updater:
             sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
