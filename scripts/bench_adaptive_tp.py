@@ -47,15 +47,11 @@ import numpy as np  # noqa: E402
 
 
 def model_config(quick: bool):
-    from models import ModelConfig
+    """The benchmark models (tiny for --quick, hidden-512 x 8 layers otherwise): bench_rollout's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_rollout import bench_config
 
-    if quick:
-        return ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=8, num_kv_heads=4, head_dim=16, rope_theta=1_000_000.0,
-                           max_position_embeddings=2048, qk_norm=True, tie_embeddings=True)
-    return ModelConfig(architecture="qwen3", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
-                       num_heads=8, num_kv_heads=4, head_dim=64, rope_theta=1_000_000.0,
-                       max_position_embeddings=4096, qk_norm=True, tie_embeddings=True)
+    return bench_config(quick)
 
 
 def requests(n: int, seed: int, vocab: int, median: float, max_new: int):
