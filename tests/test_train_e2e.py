@@ -70,12 +70,18 @@ TAIL = ["rollout.tail_batching.enabled=true", "rollout.tail_batching.eta_prompts
 TAIL_KINDS = [0, 0, 1, 0]
 
 
-@pytest.mark.parametrize("tail", [False, True], ids=["sync", "tail_batching"])
+# StreamRL skew-aware placement over 4 instances, the length ranker refreshed every step (tiny sizes).
+SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4", "rollout.skew.ranker.train_steps=20",
+        "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16"]
+
+
+@pytest.mark.parametrize("tail", [0, 1, 2], ids=["sync", "tail_batching", "skew"])
 def test_kill_and_resume_is_bit_identical(tmp_path, tail):
-    """Killed after checkpoint 2 (with tail batching: a queue of 8 prompts in it), resumed: the same
-    final weights and per-step metrics as an uninterrupted run."""
+    """Killed after checkpoint 2 (with tail batching: a queue of 8 prompts in it; with skew placement: the
+    length ranker and its history), resumed: the same final weights and per-step metrics as an
+    uninterrupted run."""
     full, killed = tmp_path / "full", tmp_path / "killed"
-    args = ["steps=4", "save_every=1"] + TAIL * tail
+    args = ["steps=4", "save_every=1"] + TAIL * (tail == 1) + SKEW * (tail == 2)
     _train(full, *args)
     cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={killed}", *TINY, *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -91,7 +97,13 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tail):
     for a, b in zip(_params(full), _params(killed)):
         np.testing.assert_array_equal(a, b)
     assert [r["reward_mean"] for r in _metrics(full)] == [r["reward_mean"] for r in _metrics(killed)]
-    if tail:
+    if tail == 2:         # the resumed ranker trains and ranks as the uninterrupted one did
+        rows = _metrics(killed)
+        assert [r["skew/active"] for r in rows] == [0, 1, 1, 1] and [r["skew/pairs"] for r in rows] == [8, 16, 24, 32]
+        for key in ("skew/loss", "skew/kendall_tau", "skew/long_instances", "skew/predicted_s"):
+            assert [r.get(key) for r in _metrics(full)] == [r.get(key) for r in rows], key
+        assert len((killed / "length_pairs.jsonl").read_text().splitlines()) >= 32
+    if tail == 1:
         rows = _metrics(killed)
         assert [r["tail/long_round"] for r in rows] == TAIL_KINDS and rows[1]["tail/queue_len"] == 8
         for key in ("tail/queue_len", "tail/aborted_responses", "tail/wasted_tokens", "response_len_max"):

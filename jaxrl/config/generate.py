@@ -95,8 +95,9 @@ class EngineSection(Section):
     def num_devices(self) -> int:
         return self.tp * self.instances
 
-    def build(self, model_cfg, weights, *, devices=None):
-        """The `jaxrl.rollout.RolloutService` this section describes, holding `weights`."""
+    def build(self, model_cfg, weights, *, devices=None, order: str = "fcfs"):
+        """The `jaxrl.rollout.RolloutService` this section describes, holding `weights` (`order`: admission,
+        "lpt" for StreamRL's longest-predicted-first)."""
         from jaxrl.rollout import RolloutService
 
         svc = RolloutService(model_cfg, weights, tp=self.tp, instances=self.instances, devices=devices,
@@ -106,7 +107,8 @@ class EngineSection(Section):
                               max_seq_len=self.max_seq_len, prefix_sharing=self.prefix_sharing,
                               attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
                               prefill_tokens=self.prefill_tokens, overlap=self.overlap,
-                              batch_buckets_per_octave=self.batch_buckets_per_octave, page_buckets=self.page_buckets)
+                              batch_buckets_per_octave=self.batch_buckets_per_octave, page_buckets=self.page_buckets,
+                              order=order)
         svc.adaptive = self.adaptive_tp.build(self.num_devices, model_cfg)
         return svc
 

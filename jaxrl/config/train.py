@@ -296,6 +296,7 @@ class TrainConfig(Section):
                               "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
         self._check_blockwise()
         check_stream(self.trainer.stream, self)
+        self._check_skew()
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "
@@ -303,6 +304,17 @@ class TrainConfig(Section):
                               f"engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len or lower one "
                               "of the two")
 
+
+    def _check_skew(self):
+        """StreamRL skew-aware placement beside the mechanisms that move requests between instances."""
+        if not self.rollout.skew.enabled:
+            return
+        if self.engine.adaptive_tp.enabled:
+            raise ConfigError("rollout.skew.enabled", "PAT's switch (engine.adaptive_tp) merges and redeals the "
+                              "instances mid-generation, undoing the long/regular placement: enable one of the two")
+        if self.trainer.stream.enabled:
+            raise ConfigError("rollout.skew.enabled", "the stream trainer (trainer.stream) takes instances out of "
+                              "the rollout mid-step, including dedicated long-tail ones: enable one of the two")
 
     def _check_blockwise(self):
         """trainer.backward / kv_source combinations that cannot run, refused with the key and the reason."""

@@ -9,6 +9,7 @@ import dataclasses
 from .base import ConfigError, Section, check_float, check_int
 from .generate import EngineSection, SamplingSection
 from .planner import PlannerSection
+from .skew import SkewSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,10 @@ class TailBatchingSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class TrainSamplingSection(SamplingSection):
-    """Sampling of the RL rollouts, plus `tail_batching` (RollPacker)."""
+    """Sampling of the RL rollouts, plus `tail_batching` (RollPacker) and `skew` (StreamRL)."""
 
     tail_batching: TailBatchingSection = dataclasses.field(default_factory=TailBatchingSection)
+    skew: SkewSection = dataclasses.field(default_factory=SkewSection)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
                  max_batch: int = 64, max_seq_len: int | None = None, prefill_chunk: int = 256,
                  prefill_tokens: int = 8192, kv_dtype=None, prefix_sharing: bool = True, attention_impl: str = "xla",
-                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 4):
+                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 4, order: str = "fcfs"):
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.layout = Layout(tp=mesh.shape["tp"])
         self.shapes = ShapeBuckets.build(max_batch=max_batch, max_seq_len=max_seq_len or (num_pages - 1) * page_size,
@@ -65,7 +65,8 @@ class Instance:
                                          prefill_tokens=prefill_tokens, per_octave=batch_buckets_per_octave,
                                          page_buckets=page_buckets)
         self.sched = Scheduler(num_pages, page_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                               prefill_tokens=prefill_tokens, prefix_sharing=prefix_sharing, shapes=self.shapes)
+                               prefill_tokens=prefill_tokens, prefix_sharing=prefix_sharing, shapes=self.shapes,
+                               order=order)
         dtype = kv_dtype or jax.tree.leaves(weights)[0].dtype
         self.kv = KVStore.allocate(cfg, mesh, ShardingRules.rollout(cfg, self.layout), num_pages, page_size, dtype)
         self.executor = Executor(cfg, mesh, max_batch=max_batch, attention_impl=attention_impl)

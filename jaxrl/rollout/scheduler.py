@@ -6,7 +6,7 @@ can be snapshotted and restored, and a simulator can drive it without devices. T
 (prefill chunks, page copies, decode steps) is run by the instance's executor.
 
 Per step (see `Instance.launch`):
-  1. `admit`: waiting sequences (FCFS) while their pages fit and the batch has room; a GRPO group of n
+  1. `admit`: waiting sequences (FCFS, or LPT by priority) while their pages fit and the batch has room; a GRPO group of n
      fresh samples is admitted together and prefilled once (prefix sharing);
   2. `prefill_batches`: chunks of admitted prompts (positions [computed, len-1)), one batched call each;
      `fork` then links siblings to the leader's full prompt pages and copies the page holding the last
@@ -57,6 +57,7 @@ class SequenceState:
     computed: int = 0
     pages: tuple[int, ...] = ()
     instance: int | None = None
+    priority: float = 0.0                 # LPT admission key (StreamRL: predicted length; larger first)
 
     @property
     def context_len(self) -> int:
@@ -83,6 +84,7 @@ class Sequence:
     preemptions: int = 0
     pending: int = 0                      # tokens dispatched but not yet read back (0 or 1)
     done: bool = False                    # retired or aborted: unread tokens are discarded
+    priority: float = 0.0                 # LPT admission key (larger first); FCFS ignores it
 
     @property
     def tokens(self) -> list[int]:
@@ -94,13 +96,13 @@ class Sequence:
     def state(self, instance: int | None = None) -> SequenceState:
         return SequenceState(self.rid, tuple(self.prompt), self.params, self.seed, self.group, tuple(self.out),
                              tuple(self.logprobs), self.preemptions, self.computed if self.pages else 0,
-                             tuple(self.pages), instance if self.pages else None)
+                             tuple(self.pages), instance if self.pages else None, self.priority)
 
     @classmethod
     def from_state(cls, st: SequenceState, pages: list[int] | None = None) -> "Sequence":
         """A record for `st`; with `pages` (ids in the new pool holding its KV) it keeps `st.computed`."""
         return cls(st.rid, list(st.prompt), st.params, st.seed, st.group, list(st.tokens), list(st.logprobs),
-                   list(pages or []), st.computed if pages else 0, st.preemptions)
+                   list(pages or []), st.computed if pages else 0, st.preemptions, priority=st.priority)
 
 
 @dataclasses.dataclass
@@ -138,12 +140,23 @@ class SchedulerSnapshot:
     generated: int
 
 
+ORDERS = ("fcfs", "lpt")
+
+
 class Scheduler:
     def __init__(self, num_pages: int, page_size: int, *, max_batch: int = 64, prefill_chunk: int = 256,
-                 prefill_tokens: int = 8192, prefix_sharing: bool = True, shapes: ShapeBuckets | None = None):
-        """`shapes`: the step shapes (default: buckets for sequences as long as the whole pool holds)."""
+                 prefill_tokens: int = 8192, prefix_sharing: bool = True, shapes: ShapeBuckets | None = None,
+                 order: str = "fcfs"):
+        """`shapes`: the step shapes (default: buckets for sequences as long as the whole pool holds).
+        `order`: admission order of waiting sequences, "fcfs" (arrival) or "lpt" (StreamRL §5.3: largest
+        `priority` — the predicted length — first, arrival order among equals; preempted sequences still
+        go back to the front)."""
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}; valid choices: {', '.join(ORDERS)}")
         self.pool = PagePool(num_pages, page_size)
         self.max_batch, self.prefill_chunk, self.prefix_sharing = max_batch, prefill_chunk, prefix_sharing
+        self.order = order
+        self.batch_cap = max_batch        # running sequences at most (<= max_batch: the compiled shapes)
         self.prefill_tokens = max(prefill_tokens, prefill_chunk)
         self.shapes = shapes or ShapeBuckets.build(max_batch=max_batch, max_seq_len=self.pool.capacity * page_size,
                                                    page_size=page_size, prefill_chunk=prefill_chunk,
@@ -161,7 +174,19 @@ class Scheduler:
 
     def add(self, seqs: list[Sequence]):
         self.check_fits(seqs)
-        self.waiting.extend(seqs)
+        if self.order == "fcfs":
+            self.waiting.extend(seqs)
+            return
+        for s in seqs:            # LPT: before the first waiting sequence of a lower priority (stable)
+            at = next((i for i, w in enumerate(self.waiting) if w.priority < s.priority), len(self.waiting))
+            self.waiting.insert(at, s)
+
+    def set_batch_cap(self, cap: int):
+        """Run at most `cap` sequences at once (1..max_batch; no new shapes). Running sequences beyond a
+        lowered cap finish; only admission obeys it."""
+        if not 1 <= cap <= self.max_batch:
+            raise ValueError(f"batch cap {cap} must be in 1..{self.max_batch} (the instance's max_batch)")
+        self.batch_cap = int(cap)
 
     def find(self, rid: int) -> Sequence | None:
         return next((s for s in itertools.chain(self.waiting, self.running) if s.rid == rid), None)
@@ -184,7 +209,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step's plan
     def admit(self) -> list[list[Sequence]]:
-        """Admit waiting sequences (FCFS); each entry is a group sharing one prefill (its leader first)."""
+        """Admit waiting sequences in queue order (`order`); each entry is a group sharing one prefill (its leader first)."""
         admitted = []
         while self.waiting:
             head = self.waiting[0]
@@ -196,8 +221,8 @@ class Scheduler:
             # A group that could never run at once (more samples than max_batch, or more pages than the
             # whole pool) is admitted in parts; each part shares its own prefill. Otherwise it waits whole.
             fits_pool = 1 + max(0, (self.pool.capacity - per_seq) // max(per_seq - shared, 1))
-            group = group[:min(self.max_batch, fits_pool)]
-            if len(self.running) + sum(map(len, admitted)) + len(group) > self.max_batch:
+            group = group[:min(self.batch_cap, fits_pool)]
+            if len(self.running) + sum(map(len, admitted)) + len(group) > self.batch_cap:
                 break
             shared = shared if len(group) > 1 else 0
             need = per_seq - len(head.pages) + (len(group) - 1) * (per_seq - shared)
@@ -381,7 +406,7 @@ class Scheduler:
         for st in states:
             pages = [page_map[p] for p in st.pages] if page_map is not None and st.pages else None
             s = Sequence.from_state(st, pages)
-            if pages and len(self.running) < self.max_batch:
+            if pages and len(self.running) < self.batch_cap:
                 self.running.append(s)
             else:
                 self.waiting.append(s)

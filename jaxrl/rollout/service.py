@@ -71,7 +71,7 @@ class RolloutService:
                  kv_memory_fraction: float | None = None, prefill_chunk: int = 256, prefill_tokens: int = 8192,
                  kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
                  attention_impl: str = "xla", overlap: bool = True, batch_buckets_per_octave: int = 2,
-                 page_buckets: int = 4):
+                 page_buckets: int = 4, order: str = "fcfs"):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:
@@ -85,7 +85,8 @@ class RolloutService:
         self.instance_kw = dict(page_size=page_size, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                                 prefill_tokens=prefill_tokens, kv_dtype=kv_dtype, prefix_sharing=prefix_sharing,
                                 attention_impl=attention_impl, overlap=overlap,
-                                batch_buckets_per_octave=batch_buckets_per_octave, page_buckets=page_buckets)
+                                batch_buckets_per_octave=batch_buckets_per_octave, page_buckets=page_buckets,
+                                order=order)
         self.instances: list[Instance] = []
         given = migration.buffers(weights)
         meshes = [Layout(tp=len(g)).make_mesh(g) for g in plan_layout(tp, instances, self.devices)]
@@ -150,9 +151,11 @@ class RolloutService:
         return to_local_groups(weights, specs, [list(m.devices.flat) for m in meshes], tp)
 
     # ------------------------------------------------------------------ requests
-    def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *, instance: int | None = None) -> list[int]:
+    def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *, instance: int | None = None,
+            priority: float = 0.0) -> list[int]:
         """Queue one prompt (`params.n` samples, kept together so they share prompt pages) on `instance`
-        (default: the router's choice)."""
+        (default: the router's choice). `priority`: the admission key under `order="lpt"` (StreamRL: the
+        predicted length; larger first); the tokens never depend on it (per-request seeds)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -166,7 +169,8 @@ class RolloutService:
         seqs = []
         for j in range(params.n):
             rid = next(self._ids)
-            seqs.append(Sequence(rid, prompt, params, seed=(params.seed * 1_000_003 + j) % 2**32, group=group))
+            seqs.append(Sequence(rid, prompt, params, seed=(params.seed * 1_000_003 + j) % 2**32, group=group,
+                                 priority=float(priority)))
         inst = self._instance(instance)
         inst.add(seqs)
         for s in seqs:
@@ -191,6 +195,15 @@ class RolloutService:
         if self.router == "round_robin":
             return self.instances[next(self._rr) % len(self.instances)]
         return min(self.instances, key=lambda i: (i.load, i.index))
+
+    def set_batch_caps(self, caps: Seq[int | None]):
+        """Per instance, run at most caps[i] sequences at once (None: its max_batch). No new step shapes:
+        a cap only limits admission (StreamRL: small batches on the long-tail instances). A relayout
+        builds instances without caps."""
+        if len(caps) != len(self.instances):
+            raise ValueError(f"{len(caps)} batch caps for {len(self.instances)} instances")
+        for inst, cap in zip(self.instances, caps):
+            inst.sched.set_batch_cap(inst.max_batch if cap is None else int(cap))
 
     def abort(self, rid: int) -> Completion | None:
         """Remove a request at once and free its pages; returns its partial completion (None if unknown)."""

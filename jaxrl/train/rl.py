@@ -45,7 +45,8 @@ def uses_rollout_kv(cfg: TrainConfig) -> bool:
 
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
                       rows: list[dict], step: int, eos_ids, *, race=None, responses: int | None = None,
-                      params_fn=None, on_step=None, on_group=None) -> tuple[list[Completion], np.ndarray, dict]:
+                      params_fn=None, on_step=None, on_group=None,
+                      route=None) -> tuple[list[Completion], np.ndarray, dict]:
     """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
@@ -66,7 +67,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     the local prompts whose rewards were all equal (neither returned nor to be queued).
 
     `params_fn(row, params) -> SamplingParams` may adjust each prompt's request (benchmarks give each prompt
-    its own stop tokens). Streaming hooks (RollPacker's stream trainer): `on_step(finished, total)` after
+    its own stop tokens). `route(prompts) -> (instances, priorities)` (StreamRL skew-aware placement) picks
+    each prompt's instance (None: the engine's router) and LPT priority. Streaming hooks (RollPacker's stream trainer): `on_step(finished, total)` after
     every engine step of a round without a race (responses finished so far, of `total`); `on_group(p,
     completions, rewards)` as soon as prompt p's kept responses are all scored (and, in a race, p is
     accepted), in sample order.
@@ -75,10 +77,12 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     G = responses or cfg.algo.group_size
     sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
     rids = []
-    for ids, row in zip(prompts, rows):
+    where_to, priority = route(prompts) if route is not None else ([None] * len(prompts), [0.0] * len(prompts))
+    for ids, row, inst, prio in zip(prompts, rows, where_to, priority):
         params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])),
                          return_kv=uses_rollout_kv(cfg))
-        rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params)))
+        rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params), instance=inst,
+                            priority=prio))
     where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group)}
     comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
     scores = np.zeros((len(prompts), G), np.float32)

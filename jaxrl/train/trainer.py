@@ -51,6 +51,7 @@ from .checkpoint import CheckpointManager
 from .curves import plot_run
 from .distributed import allgather, global_sum
 from .metrics import MetricsLogger, Profiler
+from .skew_step import SkewStep
 from .step_metrics import step_metrics, tail_metrics
 from .warm_start import supervised_warm_start
 from .optim import init_state
@@ -123,11 +124,20 @@ class Trainer:
             self.stream = StreamTrainer(cfg, t.stream, self.model_cfg, self.spec, self.updater, self.mesh,
                                         pack_len=self.pack_len, mb_rows=self.mb_rows)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
-        self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices())
+        sk = cfg.rollout.skew
+        self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices(),
+                           order="lpt" if sk.enabled and sk.lpt else "fcfs")
+        self.skew = None
+        if sk.enabled:           # StreamRL: length ranker -> long-tail prompts on dedicated instances, LPT inside
+            self.skew = SkewStep(sk, max_prompt_len=cfg.data.max_prompt_len, group_size=cfg.algo.group_size,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, tp=e.tp)
         self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp)    # RollPacker: per-step rollout TP
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
         self.resumed = self._maybe_resume()
+        if self.skew and cfg.rollout.skew.ranker.pairs and not self.resumed:    # the ranker's warm start
+            n = self.skew.load_pairs(cfg.rollout.skew.ranker.pairs, self.tokenizer)
+            log.info("length ranker: %d warm-start pairs from %s", n, cfg.rollout.skew.ranker.pairs)
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
         self.profiler = Profiler(self.run_dir, cfg.profile_steps)
@@ -182,6 +192,8 @@ class Trainer:
         if self.planner:
             meta["planner"] = self.planner.state_dict()
         meta["reward_scheduler"] = self.rewards.state_dict()       # the adaptive timeouts' anchors
+        if self.skew:
+            meta["skew"] = self.skew.state_dict()          # the length ranker and its history
         self.ckpt.save(self.step, self._state(), meta)
 
     def _maybe_resume(self) -> bool:
@@ -205,6 +217,8 @@ class Trainer:
             self.planner.load_state_dict(meta["planner"])
         if "reward_scheduler" in meta:
             self.rewards.load_state_dict(meta["reward_scheduler"])
+        if self.skew and "skew" in meta:
+            self.skew.load_state_dict(meta["skew"])
         self._sync_weights()
         if self.is_main:
             print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
@@ -231,6 +245,8 @@ class Trainer:
             prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
             if self.stream:
                 hooks.update(self._stream_hooks(prompts))
+            if self.skew:
+                hooks["route"] = lambda ps: self.skew.place(self.svc, ps)
             return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, self.step,
                                         self.tokenizer.eos_ids, race=race, responses=responses, **hooks)
 
@@ -278,6 +294,10 @@ class Trainer:
             out.update(tail_metrics(plan, rstats, lens, trained=len(rows), queue_len=len(self.tail.queue)))
         if self.planner:
             out.update(self.planner.metrics())
+        if self.skew:            # the ranker learns this step's lengths (refresh every k steps)
+            self.skew.observe(prompts, [lens[k * G:(k + 1) * G] for k in range(len(prompts))],
+                              log=self.run_dir / "length_pairs.jsonl" if self.is_main else None)
+            out.update(self.skew.finish(self.step))
         if self.svc.adaptive is not None:        # PAT: this step's switch decisions (records: pat_decisions.jsonl)
             out.update(self.svc.adaptive.step_metrics(self.step, self.run_dir / "pat_decisions.jsonl"
                                                       if self.is_main else None))
@@ -390,6 +410,8 @@ class Trainer:
                                    logp_params=[self.ref_params] if self.ref_params is not None else [], **extra)
             if self.stream:      # the freed devices' gradient / reference executables
                 n += self.stream.warm(self.params, self.opt_state, self.ref_params, svc=self.svc)
+        if self.skew:            # the length ranker's train step and forward
+            self.skew.ranker.warm()
         self.svc.update_weights(self.params)
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
             print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s",
