@@ -307,7 +307,7 @@ class TrainConfig(Section):
 
     def _check_skew(self):
         """StreamRL skew-aware placement beside the mechanisms that move requests between instances."""
-        if not self.rollout.skew.enabled:
+        if not getattr(getattr(self.rollout, "skew", None), "enabled", False):   # (tests pass a plain SamplingSection)
             return
         if self.engine.adaptive_tp.enabled:
             raise ConfigError("rollout.skew.enabled", "PAT's switch (engine.adaptive_tp) merges and redeals the "

@@ -28,6 +28,8 @@ class Sample:
     prompt: list[int]
     response: list[int]
     advantage: float = 0.0
+    logprobs: list[float] | None = None    # the rollout's log-probs of `response` (the behaviour policy)
+    version: int = 0                       # the weights version that generated it (one-step-async staleness)
 
 
 FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages", "weights")
@@ -59,16 +61,17 @@ def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
 
 
 def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None = None,
-         rows: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+         rows: list[list[int]] | None = None, behaviour: bool = False) -> dict[str, np.ndarray]:
     """Pack into `n_rows` rows (default: as few as fit) of `pack_len` tokens; `rows` reuses a
-    `pack_rows` assignment the caller already computed."""
+    `pack_rows` assignment the caller already computed. `behaviour`: also "old_logp", each response
+    token's rollout log-prob at the index that predicts it (the importance ratio's behaviour policy)."""
     if rows is None:
         rows = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
     n_rows = len(rows) if n_rows is None else n_rows
     if n_rows < len(rows):
         raise ValueError(f"{len(samples)} sequences need {len(rows)} rows of {pack_len}, only {n_rows} given")
     out = {k: np.zeros((n_rows, pack_len), np.int32 if k in INT_FIELDS else np.float32)
-           for k in FIELDS}
+           for k in FIELDS + ("old_logp",) * behaviour}
     for r, members in enumerate(rows):
         off = 0
         for seg, i in enumerate(members, 1):
@@ -83,5 +86,10 @@ def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None =
             out["loss_mask"][r, resp] = 1
             out["advantages"][r, resp] = s.advantage
             out["weights"][r, resp] = seq_weights[i]
+            if behaviour:
+                if s.logprobs is None or len(s.logprobs) != len(s.response):
+                    raise ValueError(f"sample {i}: behaviour log-probs needed for each of its {len(s.response)} "
+                                     "response tokens")
+                out["old_logp"][r, resp] = s.logprobs
             off += n
     return out

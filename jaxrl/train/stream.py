@@ -64,19 +64,17 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from jaxrl.config.base import ConfigError
 from jaxrl.config.stream import StreamSection, check_stream
 from models import logical_axes, vocab_rows
 from sharding import Layout, ShardingRules, reshard, shardings_for
 
-from . import rl
-from .batch import FIELDS, INT_FIELDS, Sample, pack, pack_rows
+from .batch import FIELDS, Sample
+from .grad_stream import ROWS, GradientStream
 from .step import sum_onto
 from .update import Updater
-
-ROWS = P(("dp", "fsdp"), None)
 
 
 # ----------------------------------------------------------------------------- the decision (pure)
@@ -205,8 +203,8 @@ class StreamTrainer:
                               "update per rollout batch; set 1")
         self.cfg, self.stream, self.model_cfg, self.spec, self.updater = cfg, stream, model_cfg, spec, updater
         self.mesh, self.pack_len, self.mb_rows = mesh, pack_len, mb_rows
-        self.max_new_tokens = cfg.rollout.max_new_tokens
-        self.train_rows = NamedSharding(mesh, ROWS)
+        self.gs = GradientStream(cfg, spec, updater, mesh, pack_len=pack_len, mb_rows=mb_rows)
+        self.train_rows = self.gs.train_rows
         self.history: collections.deque = collections.deque(maxlen=stream.history)
         self._subs: dict[tuple, _SubMesh] = {}
         self._reset(None, None)
@@ -222,11 +220,9 @@ class StreamTrainer:
 
     def _reset(self, params, ref_params):
         self._params, self._ref = params, ref_params
-        self._sub = self._sub_params = self._sub_ref = self._acc = self._combined = None
+        self._sub = self._sub_params = self._sub_ref = None
         self._freed: tuple[int, ...] = ()
-        self._held, self._pending = [], []                     # groups (lists of samples), oldest first
-        self._all: list[Sample] = []                           # every sample of the step
-        self._groups = self._groups_early = self._samples_early = 0
+        self.gs.begin(ref_params)
         self._last = self.checks = self.moved = 0
         self.shrunk_at = self.move_s = 0.0
         self.plan: ShrinkPlan | None = None
@@ -284,55 +280,34 @@ class StreamTrainer:
         self._sub_params, _ = reshard(self._params, self._sub.params)
         if self.spec.kl_coef:
             self._sub_ref, _ = reshard(self._ref, self._sub.params)
-        self._pending += self._held
-        self._held = []
-        self._drain()
+        self.gs.target(self._sub_params, self._sub_ref, self._sub.rows)
 
     def add_group(self, samples: list[Sample]):
         """A completed, scored group (its samples with their advantages): its gradient starts on the freed
         devices as soon as waiting samples fill a micro-batch; before a shrink it is held."""
         self._check_begun()
         samples = list(samples)
-        self._groups += 1
-        self._all += samples
         self.history.extend(len(s.response) for s in samples)
-        if self._sub is None:
-            self._held.append(samples)
-        else:
-            self._pending.append(samples)
-            self._drain()
+        self.gs.add(samples)
 
     def combine(self, params):
         """Gradient and stats sums of every sample (the remaining ones computed now on the train mesh at
         `params`), summed onto the train mesh, and the denominator D: (grad_sums, stats_sums, D). Computed
         once per step (`finish` reuses it)."""
         self._check_begun()
-        if self._combined is not None:
-            return self._combined
-        if not self._all:
-            raise ValueError("no groups were added this step")
-        late = [s for g in self._held + self._pending for s in g]
-        acc = None
-        for part in self._micro_batches(late, _rows(late, self.pack_len)):
-            acc = self._grad(params, self._ref, part, self.train_rows, acc)
-        parts = [a for a in (acc, self._acc) if a is not None]
-        grads, stats = sum_onto(parts, self._grad_shardings(params))
-        _, denominator = rl.batch_weights(self._all, self.cfg, self.max_new_tokens, fold=False)
-        self._held, self._pending, self._acc = [], [], None
-        self._combined = (grads, stats, denominator)
-        return self._combined
+        return self.gs.combine(params)
 
     def finish(self, params, opt_state):
         """After the rollout: the remaining gradients on the whole train mesh, every sum combined, divided by
         D once, one update. params / opt_state are donated. Returns (params, opt_state, metrics)."""
-        grads, stats, denominator = self.combine(params)
-        params, opt_state, m = self.updater.cache("apply", self.updater.apply, params, opt_state, grads,
-                                                  float(denominator), stats)
+        self._check_begun()
+        params, opt_state, m = self.gs.apply(params, opt_state)
         m = jax.device_get(m)
+        gs = self.gs
         m.update({"stream/shrunk": int(bool(self._freed)), "stream/shrunk_at": self.shrunk_at,
                   "stream/freed_devices": len(self._sub.devices) if self._sub else 0,
-                  "stream/groups_early": self._groups_early, "stream/groups_late": self._groups - self._groups_early,
-                  "stream/samples_early": self._samples_early, "stream/checks": self.checks,
+                  "stream/groups_early": gs.groups_early, "stream/groups_late": gs.groups - gs.groups_early,
+                  "stream/samples_early": gs.samples_early, "stream/checks": self.checks,
                   "stream/moved": self.moved, "stream/move_s": self.move_s,
                   "stream/peak_pages": self.plan.peak_pages if self.plan else 0,
                   "stream/budget_pages": self.plan.budget_pages if self.plan else 0})
@@ -349,8 +324,7 @@ class StreamTrainer:
         it and the final sum run once on zeros/copies (plain jitted programs). Returns new compilations
         in the updater's cache (the others are counted by `runtime.CompileCounter`)."""
         before = self.updater.cache.compiles
-        keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef)
-        mb = self._abstract_mb(self.train_rows, keys)
+        mb = self.gs.abstract_mb(self.train_rows)
         self.updater.warm(params, opt_state, mb, logp_params=[ref_params] if self.spec.kl_coef else [])
         if devices is None and svc is not None:
             freed = freed_instances(svc.layout)
@@ -361,7 +335,7 @@ class StreamTrainer:
             p = _abstract(placed)
             for x in jax.tree.leaves(placed):
                 x.delete()
-            smb = self._abstract_mb(sub.rows, keys)
+            smb = self.gs.abstract_mb(sub.rows)
             if self.spec.kl_coef:
                 self.updater.cache.compile("logp", self.updater.logp, p, {k: smb[k] for k in FIELDS})
             acc = _out(self.updater.cache.compile("grad", self.updater.grad, p, smb))
@@ -394,63 +368,6 @@ class StreamTrainer:
                                    ShardingRules.train(self.model_cfg, layout))
             self._subs[key] = _SubMesh(tuple(devices), mesh, params, NamedSharding(mesh, ROWS))
         return self._subs[key]
-
-    def _abstract_mb(self, rows: NamedSharding, keys) -> dict:
-        return {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
-                                        sharding=rows) for k in keys}
-
-    def _grad_shardings(self, params):
-        """Output shardings of the train mesh's gradient step: where the combined sums go (the update's
-        warmed input signature)."""
-        keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef)
-        exe = self.updater.cache.compile("grad", self.updater.grad, _abstract(params),
-                                         self._abstract_mb(self.train_rows, keys))
-        return exe.output_shardings
-
-    def _grad(self, params, ref, part: dict, rows: NamedSharding, acc):
-        mb = {k: jax.device_put(v, rows) for k, v in part.items()}
-        if self.spec.kl_coef:
-            mb["ref_logp"] = self.updater.logprobs(ref, mb)
-        if acc is None:
-            return self.updater.cache("grad", self.updater.grad, params, mb)
-        return self.updater.cache("grad", self.updater.grad, params, mb, acc)
-
-    def _micro_batches(self, samples: list[Sample], rows: list[list[int]]):
-        """Host micro-batches (mb_rows x pack_len each) of `samples` packed as `rows`, the last padded with
-        zero-weight rows; weights unnormalised (1/q_i: `rl.batch_weights(fold=False)`)."""
-        if not samples:
-            return []
-        weights, _ = rl.batch_weights(samples, self.cfg, self.max_new_tokens, fold=False)
-        n = -(-len(rows) // self.mb_rows)
-        packed = pack(samples, weights, self.pack_len, n_rows=n * self.mb_rows, rows=rows)
-        return [{k: v[j * self.mb_rows:(j + 1) * self.mb_rows] for k, v in packed.items()} for j in range(n)]
-
-    def _drain(self):
-        """Start micro-batches on the freed devices from the waiting groups, whole groups in arrival order:
-        the longest run of them that packs into one micro-batch goes as soon as the next group would not
-        fit (or it fills the micro-batch exactly); a group that alone needs more rows goes by itself over
-        several micro-batches. The rest waits for more groups (or `finish`)."""
-        while self._pending:
-            k, rows = 0, []
-            while k < len(self._pending):
-                r = _rows([s for g in self._pending[:k + 1] for s in g], self.pack_len)
-                if len(r) > self.mb_rows:
-                    break
-                k, rows = k + 1, r
-            if k == len(self._pending) and len(rows) < self.mb_rows:
-                return
-            if k == 0:
-                k, rows = 1, _rows(self._pending[0], self.pack_len)
-            samples = [s for g in self._pending[:k] for s in g]
-            for part in self._micro_batches(samples, rows):
-                self._acc = self._grad(self._sub_params, self._sub_ref, part, self._sub.rows, self._acc)
-            self._groups_early += k
-            self._samples_early += len(samples)
-            self._pending = self._pending[k:]
-
-
-def _rows(samples: list[Sample], pack_len: int) -> list[list[int]]:
-    return pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
 
 
 def _abstract(tree):

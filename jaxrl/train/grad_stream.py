@@ -1,0 +1,167 @@
+"""Gradients of completed, scored groups as they arrive, and one update at the end that equals the
+synchronous one: the accumulation shared by RollPacker's stream trainer (gradients on rollout devices
+freed mid-rollout, `stream.py`) and StreamRL's disaggregated pipeline (gradients on the train pool while
+the generation pool still rolls out, `pipeline.py`).
+
+    gs = GradientStream(cfg, spec, updater, train_mesh, pack_len=.., mb_rows=..)
+    gs.begin(ref_params)                       # each step
+    gs.target(params, ref, rows_sharding)      # from now on, streamed gradients run there (held groups start)
+    gs.add(samples)                            # each completed, scored group (samples with advantages)
+    params, opt_state, m = gs.apply(params, opt_state)   # the rest on the train mesh, sums combined, one update
+
+**Exactness.** Each sample carries its unnormalised weight 1/q_i (`rl.batch_weights(fold=False)`): the
+denominator D (tokens or sequences of the whole batch) is known only at the end, when `combine` sums every
+accumulator onto the train mesh (`step.sum_onto`) and `apply` divides by D once. The result is the
+synchronous update up to float32 summation order.
+
+**Dynamic batches over fixed shapes.** Waiting groups are packed into fixed (mb_rows x pack_len)
+micro-batches, whole groups in arrival order: the longest run of them that packs into one micro-batch goes
+as soon as the next group would not fit (or it fills the micro-batch exactly); a group that alone needs
+more rows goes by itself over several. How many micro-batches run, and when, is set by arrival; their
+shape never changes, so nothing compiles after the warm-up. The rest waits for more groups or `combine`.
+
+`behaviour=True` (one-step-async): samples carry the rollout's own log-probs, packed as `old_logp`, the
+behaviour policy of the importance ratio.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import rl
+from .batch import Sample, pack, pack_rows
+from .step import sum_onto
+
+ROWS = P(("dp", "fsdp"), None)
+
+
+def _rows(samples: list[Sample], pack_len: int) -> list[list[int]]:
+    return pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class GradientStream:
+    def __init__(self, cfg, spec, updater, mesh, *, pack_len: int, mb_rows: int, behaviour: bool = False):
+        self.cfg, self.spec, self.updater, self.mesh = cfg, spec, updater, mesh
+        self.pack_len, self.mb_rows, self.behaviour = pack_len, mb_rows, behaviour
+        self.max_new_tokens = cfg.rollout.max_new_tokens
+        self.train_rows = NamedSharding(mesh, ROWS)
+        self.begin(None)
+
+    def keys(self) -> list[str]:
+        """The fields of one micro-batch's gradient step."""
+        from .batch import FIELDS
+
+        return list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * self.behaviour
+
+    # ------------------------------------------------------------------ step lifecycle
+    def begin(self, ref_params):
+        """A new step (the reference weights on the train mesh when algo.kl_coef > 0)."""
+        self._ref = ref_params
+        self._where = None                     # (params, ref, rows sharding) of the streamed gradients
+        self._acc = self._combined = None
+        self._held, self._pending = [], []     # groups (lists of samples), oldest first
+        self.samples: list[Sample] = []        # every sample of the step
+        self.groups = self.groups_early = self.samples_early = self.micro_batches_early = 0
+
+    def target(self, params, ref, rows: NamedSharding):
+        """Run the streamed gradients at `params` (and `ref`) over `rows` from now on; held groups start."""
+        self._where = (params, ref, rows)
+        self._pending += self._held
+        self._held = []
+        self._drain()
+
+    def add(self, samples: list[Sample]):
+        """A completed, scored group: its gradient starts as soon as waiting samples fill a micro-batch (held
+        until `target` is set)."""
+        samples = list(samples)
+        self.groups += 1
+        self.samples += samples
+        if self._where is None:
+            self._held.append(samples)
+        else:
+            self._pending.append(samples)
+            self._drain()
+
+    def combine(self, params):
+        """(grad_sums, stats_sums, D): every sample's gradient (the remaining ones computed now on the train
+        mesh at `params`), summed onto the train mesh. Computed once per step."""
+        if self._combined is not None:
+            return self._combined
+        if not self.samples:
+            raise ValueError("no groups were added this step")
+        late = [s for g in self._held + self._pending for s in g]
+        acc = None
+        for part in self._micro_batches(late, _rows(late, self.pack_len)):
+            acc = self._grad(params, self._ref, part, self.train_rows, acc)
+        parts = [a for a in (acc, self._acc) if a is not None]
+        grads, stats = sum_onto(parts, self.grad_shardings(params))
+        _, denominator = rl.batch_weights(self.samples, self.cfg, self.max_new_tokens, fold=False)
+        self._held, self._pending, self._acc = [], [], None
+        self._combined = (grads, stats, denominator)
+        return self._combined
+
+    def apply(self, params, opt_state):
+        """`combine`, divide by D once, one optimizer update (params and opt_state donated). Returns
+        (params, opt_state, metrics) with the metrics still on the devices."""
+        grads, stats, denominator = self.combine(params)
+        return self.updater.cache("apply", self.updater.apply, params, opt_state, grads, float(denominator), stats)
+
+    # ------------------------------------------------------------------ internals
+    def abstract_mb(self, rows: NamedSharding) -> dict:
+        import jax.numpy as jnp
+
+        from .batch import INT_FIELDS
+
+        return {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
+                                        sharding=rows) for k in self.keys()}
+
+    def grad_shardings(self, params):
+        """Output shardings of the train mesh's gradient step: where the combined sums go (the update's
+        warmed input signature)."""
+        exe = self.updater.cache.compile("grad", self.updater.grad, _abstract(params), self.abstract_mb(self.train_rows))
+        return exe.output_shardings
+
+    def _grad(self, params, ref, part: dict, rows: NamedSharding, acc):
+        mb = {k: jax.device_put(v, rows) for k, v in part.items()}
+        if self.spec.kl_coef:
+            mb["ref_logp"] = self.updater.logprobs(ref, mb)
+        if acc is None:
+            return self.updater.cache("grad", self.updater.grad, params, mb)
+        return self.updater.cache("grad", self.updater.grad, params, mb, acc)
+
+    def _micro_batches(self, samples: list[Sample], rows: list[list[int]]):
+        """Host micro-batches (mb_rows x pack_len each) of `samples` packed as `rows`, the last padded with
+        zero-weight rows; weights unnormalised (1/q_i: `rl.batch_weights(fold=False)`)."""
+        if not samples:
+            return []
+        weights, _ = rl.batch_weights(samples, self.cfg, self.max_new_tokens, fold=False)
+        n = -(-len(rows) // self.mb_rows)
+        packed = pack(samples, weights, self.pack_len, n_rows=n * self.mb_rows, rows=rows, behaviour=self.behaviour)
+        return [{k: v[j * self.mb_rows:(j + 1) * self.mb_rows] for k, v in packed.items()} for j in range(n)]
+
+    def _drain(self):
+        """Start micro-batches from the waiting groups (see the module docstring)."""
+        params, ref, rows_sharding = self._where
+        while self._pending:
+            k, rows = 0, []
+            while k < len(self._pending):
+                r = _rows([s for g in self._pending[:k + 1] for s in g], self.pack_len)
+                if len(r) > self.mb_rows:
+                    break
+                k, rows = k + 1, r
+            if k == len(self._pending) and len(rows) < self.mb_rows:
+                return
+            if k == 0:
+                k, rows = 1, _rows(self._pending[0], self.pack_len)
+            samples = [s for g in self._pending[:k] for s in g]
+            for part in self._micro_batches(samples, rows):
+                self._acc = self._grad(params, ref, part, rows_sharding, self._acc)
+                self.micro_batches_early += 1
+            self.groups_early += k
+            self.samples_early += len(samples)
+            self._pending = self._pending[k:]
