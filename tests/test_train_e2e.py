@@ -70,18 +70,25 @@ TAIL = ["rollout.tail_batching.enabled=true", "rollout.tail_batching.eta_prompts
 TAIL_KINDS = [0, 0, 1, 0]
 
 
+# StreamRL: 4 generation devices beside a 4-device train mesh; 2-row micro-batches so groups stream during the
+# rollout. The colocated twin runs the same instances and train layout on 4 shared devices.
+POOLS = ["engine.instances=4", "train_layout.fsdp=4", "trainer.micro_batch_tokens=256", "optim.eps=1e-3",
+         "warm_start.optim.eps=1e-3"]
+ROLLOUT_KEYS = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate"]
+
 # StreamRL skew-aware placement over 4 instances, the length ranker refreshed every step (tiny sizes).
 SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4", "rollout.skew.ranker.train_steps=20",
         "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16"]
 
 
-@pytest.mark.parametrize("tail", [0, 1, 2], ids=["sync", "tail_batching", "skew"])
+@pytest.mark.parametrize("tail", [0, 1, 2, 3], ids=["sync", "tail_batching", "skew", "async"])
 def test_kill_and_resume_is_bit_identical(tmp_path, tail):
     """Killed after checkpoint 2 (with tail batching: a queue of 8 prompts in it; with skew placement: the
-    length ranker and its history), resumed: the same final weights and per-step metrics as an
-    uninterrupted run."""
+    length ranker and its history; one-step-async: the rollout of step 3, made on step 1's weights),
+    resumed: the same final weights and per-step metrics as an uninterrupted run."""
     full, killed = tmp_path / "full", tmp_path / "killed"
-    args = ["steps=4", "save_every=1"] + TAIL * (tail == 1) + SKEW * (tail == 2)
+    args = ["steps=4", "save_every=1"] + TAIL * (tail == 1) + SKEW * (tail == 2) + (
+        POOLS + ["placement=disaggregated", "trainer.async_steps=1"]) * (tail == 3)
     _train(full, *args)
     cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={killed}", *TINY, *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -224,3 +231,53 @@ def test_dynamic_sampling_with_no_signal_trains_nothing(tmp_path):
     rows = _metrics(run)
     assert [r["tail/batch_short"] for r in rows] == [8, 8] and all(r["tail/prompts_trained"] == 0 for r in rows)
     assert all(r["tail/dropped_groups"] == r["tail/prompts_launched"] == 24 for r in rows)
+
+
+
+def test_disaggregated_equals_colocated(tmp_path):
+    """Dynamic-batch pipelining on a separate train pool: the same rollouts and, after 3 updates, the same
+    weights within float tolerance (the streamed micro-batches pack groups in arrival order)."""
+    col, dis = tmp_path / "col", tmp_path / "dis"
+    _train(col, "steps=3", "save_every=null", *POOLS)
+    _train(dis, "steps=3", "save_every=null", *POOLS, "placement=disaggregated")
+    m1, m2 = _metrics(col), _metrics(dis)
+    for key in ROLLOUT_KEYS:
+        assert [r[key] for r in m1] == [r[key] for r in m2], key
+    assert all(r["placement/groups_streamed"] > 0 and r["placement/groups"] == 8 for r in m2)
+    assert [r["placement/gen_devices"] for r in m2] == [4] * 3 and [r["compiles"] for r in m2][1:] == [0, 0]
+    for a, b in zip(_params(col), _params(dis)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+
+def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
+    """lr = 0: the weights never move, so the one-step-async rollouts (made on the step-before weights while
+    the previous step trains) are the synchronous ones; staleness is 0 at the first step, then exactly 1."""
+    sync, asy = tmp_path / "sync", tmp_path / "async"
+    common = ["steps=4", "save_every=null", "optim.lr=0", *POOLS, "placement=disaggregated"]
+    _train(sync, *common)
+    _train(asy, *common, "trainer.async_steps=1")
+    m1, m2 = _metrics(sync), _metrics(asy)
+    for key in ROLLOUT_KEYS + ["loss", "clip_frac"]:
+        assert [r[key] for r in m1] == pytest.approx([r[key] for r in m2], abs=1e-6), key
+    assert [r["placement/staleness"] for r in m2] == [0, 1, 1, 1]
+    assert [r["placement/staleness"] for r in m1] == [0, 0, 0, 0]
+
+
+def test_disaggregated_two_processes_equal_one(tmp_path):
+    """Each of 2 processes gives 2 devices to the shared fsdp=4 train mesh and 2 to its own generation
+    instances; the weights reach the instances by the cross-process on-device reshard. Same rollouts and,
+    within float tolerance, the same weights as one process with 4 + 4 devices (which streams its groups'
+    gradients during the rollout; two processes train after it)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated"]
+    _train(one, *common)
+    cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
+           *TINY, *common, "engine.instances=2"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    m1, m2 = _metrics(one), _metrics(two)
+    for key in ROLLOUT_KEYS:
+        assert [r[key] for r in m1] == [r[key] for r in m2], key
+    assert [r["placement/train_devices"] for r in m2] == [4, 4] and [r["placement/gen_devices"] for r in m2] == [2, 2]
+    for a, b in zip(_params(one), _params(two)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)

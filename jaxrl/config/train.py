@@ -13,6 +13,7 @@ BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.b
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
 from .rewards import AdaptiveTimeoutSection, SandboxSection
 from .stream import StreamSection, check_stream
+from .placement import StageBalanceSection, check_placement
 from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
 
@@ -108,7 +109,9 @@ class OptimSection(Section):
     clip_norm: float | None = 1.0        # None = no clipping
 
     def __post_init__(self):
-        check_float("lr", self.lr, above=0.0)
+        check_float("lr", self.lr)
+        if self.lr < 0:           # 0 freezes the weights (rollouts and metrics only; the async check uses it)
+            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
         check_int("warmup_steps", self.warmup_steps, minimum=0)
         check_choice("schedule", self.schedule, SCHEDULES)
         for name in ("min_lr_ratio", "weight_decay", "b1", "b2", "eps"):
@@ -158,6 +161,7 @@ class TrainerSection(Section):
     block_size: int = 256                # blockwise: tokens per block (T)
     kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)
     stream: StreamSection = dataclasses.field(default_factory=StreamSection)   # RollPacker's stream trainer
+    async_steps: int = 0                 # StreamRL: 1 = the next rollout runs (on the step-before weights) while this step trains
 
     def __post_init__(self):
         check_choice("remat", self.remat, REMAT_POLICIES)
@@ -264,6 +268,8 @@ class TrainConfig(Section):
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+    placement: str = "colocated"         # colocated (rollout and training share devices) or disaggregated (StreamRL: own pools)
+    stage_balance: StageBalanceSection = dataclasses.field(default_factory=StageBalanceSection)   # StreamRL scale-up
     steps: int = 100                     # RL steps in the run (a resume continues up to this)
     seed: int = 0                        # data order, sampling and initial weights
     run_dir: str = "runs/quickstart"     # outputs: metrics, curves, TensorBoard, checkpoints, hf/ (--run-dir)
@@ -297,6 +303,7 @@ class TrainConfig(Section):
         self._check_blockwise()
         check_stream(self.trainer.stream, self)
         self._check_skew()
+        check_placement(self)
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "

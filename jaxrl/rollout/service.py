@@ -101,6 +101,7 @@ class RolloutService:
         self._where: dict[int, Instance] = {}
         self._ready: list[Completion] = []
         self.adaptive = None        # PAT (`tp_switch.AdaptiveTP`): may switch the layout after any step
+        self.observers: list[Callable[[float, float], None]] = []   # (start, end) of each step (timelines)
 
     # ------------------------------------------------------------------ construction
     def weight_shardings(self, mesh):
@@ -217,6 +218,7 @@ class RolloutService:
         return bool(self._ready) or any(i.has_work() for i in self.instances)
 
     def step(self) -> list[Completion]:
+        t0 = time.perf_counter()
         for inst in self.instances:                              # dispatch everything first
             inst.launch()
         done, self._ready = self._ready, []
@@ -225,6 +227,8 @@ class RolloutService:
             self._where.pop(c.request_id, None)
         if self.adaptive is not None:
             self.adaptive.after_step(self)
+        for f in self.observers:
+            f(t0, time.perf_counter())
         return done
 
     def stream(self) -> Iterator[Completion]:

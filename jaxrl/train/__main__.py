@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _, n_proc, _ = settings(cfg.distributed)
     local = max(cfg.engine.tp * cfg.engine.instances, cfg.train_layout.num_devices // n_proc)
+    if cfg.placement == "disaggregated":     # StreamRL: the generation pool (+ spare groups) beside the train pool
+        gen = cfg.engine.tp * (cfg.stage_balance.max_instances or cfg.engine.instances)
+        local = gen + cfg.train_layout.num_devices // n_proc
     initialize(cfg.distributed, local)
     from jaxrl.runtime import enable_compilation_cache
 

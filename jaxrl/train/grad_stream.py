@@ -21,7 +21,8 @@ more rows goes by itself over several. How many micro-batches run, and when, is 
 shape never changes, so nothing compiles after the warm-up. The rest waits for more groups or `combine`.
 
 `behaviour=True` (one-step-async): samples carry the rollout's own log-probs, packed as `old_logp`, the
-behaviour policy of the importance ratio.
+behaviour policy of the importance ratio. `executor` (`pipeline.TrainWorker`): `add` and `target` run on
+the train pool's thread (packing and dispatch off the caller's loop); `combine` waits for them.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def _abstract(tree):
 
 
 class GradientStream:
-    def __init__(self, cfg, spec, updater, mesh, *, pack_len: int, mb_rows: int, behaviour: bool = False):
+    def __init__(self, cfg, spec, updater, mesh, *, pack_len: int, mb_rows: int, behaviour: bool = False,
+                 executor=None):
         self.cfg, self.spec, self.updater, self.mesh = cfg, spec, updater, mesh
-        self.pack_len, self.mb_rows, self.behaviour = pack_len, mb_rows, behaviour
+        self.pack_len, self.mb_rows, self.behaviour, self.executor = pack_len, mb_rows, behaviour, executor
         self.max_new_tokens = cfg.rollout.max_new_tokens
         self.train_rows = NamedSharding(mesh, ROWS)
         self.begin(None)
@@ -70,15 +72,27 @@ class GradientStream:
 
     def target(self, params, ref, rows: NamedSharding):
         """Run the streamed gradients at `params` (and `ref`) over `rows` from now on; held groups start."""
+        if self.executor is not None:
+            self.executor.submit("grad", self._target, params, ref, rows)
+        else:
+            self._target(params, ref, rows)
+
+    def _target(self, params, ref, rows):
         self._where = (params, ref, rows)
         self._pending += self._held
         self._held = []
         self._drain()
+        return self._acc            # (the train worker waits for it: its span is the device's busy time)
 
     def add(self, samples: list[Sample]):
         """A completed, scored group: its gradient starts as soon as waiting samples fill a micro-batch (held
         until `target` is set)."""
-        samples = list(samples)
+        if self.executor is not None:
+            self.executor.submit("grad", self._add, list(samples))
+        else:
+            self._add(list(samples))
+
+    def _add(self, samples):
         self.groups += 1
         self.samples += samples
         if self._where is None:
@@ -86,12 +100,15 @@ class GradientStream:
         else:
             self._pending.append(samples)
             self._drain()
+        return self._acc
 
     def combine(self, params):
         """(grad_sums, stats_sums, D): every sample's gradient (the remaining ones computed now on the train
         mesh at `params`), summed onto the train mesh. Computed once per step."""
         if self._combined is not None:
             return self._combined
+        if self.executor is not None:
+            self.executor.barrier()
         if not self.samples:
             raise ValueError("no groups were added this step")
         late = [s for g in self._held + self._pending for s in g]
@@ -165,3 +182,13 @@ class GradientStream:
             self.groups_early += k
             self.samples_early += len(samples)
             self._pending = self._pending[k:]
+
+
+def warm_sum(gs: GradientStream, params) -> None:
+    """Run the combine's add program once on zeros (what `combine` sums the accumulators with)."""
+    import jax.numpy as jnp
+
+    shardings = gs.grad_shardings(params)
+    exe = gs.updater.cache.compile("grad", gs.updater.grad, _abstract(params), gs.abstract_mb(gs.train_rows))
+    zeros = jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), exe.out_info, shardings)
+    jax.block_until_ready(sum_onto([zeros, zeros], shardings))

@@ -276,19 +276,20 @@ def micro_batch_rows(cfg: TrainConfig, mesh, pack_len: int) -> int:
 
 
 def micro_batches(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int,
-                  rows: int, mini_batches: int = 1, *, with_rows: bool = False):
+                  rows: int, mini_batches: int = 1, *, with_rows: bool = False, behaviour: bool = False):
     """Pack local samples and cut them into micro-batches of exactly `rows` global rows x `pack_len`
     (every process contributes rows / process_count of each, its own; the last ones padded with
     zero-weight rows). The count is agreed across processes and is a multiple of `mini_batches`. Weights
     have the denominator folded in, as in `global_batch`: update with denominator 1.0. `with_rows`: also
     return the packing, local row r -> the sample indices in it, in order (micro-batch r // (rows /
-    process_count), its row r % that)."""
+    process_count), its row r % that). `behaviour`: also pack the samples' rollout log-probs as
+    "old_logp" (one-step-async's behaviour policy)."""
     weights, _ = batch_weights(samples, cfg, max_new_tokens, fold=True)
     local = rows // jax.process_count()
     assignment = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
     n = global_max(-(-len(assignment) // local))
     n = -(-max(n, 1) // mini_batches) * mini_batches
-    packed = pack(samples, weights, pack_len, n_rows=n * local, rows=assignment)
+    packed = pack(samples, weights, pack_len, n_rows=n * local, rows=assignment, behaviour=behaviour)
     sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
     mbs = [{k: jax.make_array_from_process_local_data(sharding, v[i * local:(i + 1) * local], (rows, pack_len))
             for k, v in packed.items()} for i in range(n)]

@@ -1,4 +1,6 @@
-"""The synchronous, colocated RL trainer (what verl does), stage by stage.
+"""The RL trainer, stage by stage: synchronous and colocated by default (what verl does); StreamRL's
+disaggregated pools, dynamic-batch pipelining and one-step-async with `placement=disaggregated`
+(`pipeline.py`; the update stage itself is `update_stage.py`).
 
     setup:   tokenizer -> data shard -> reward pool (every reward name resolved, here and in a worker)
              -> model + train mesh (fsdp x tp over all devices) -> optimizer -> rollout instances on
@@ -11,6 +13,9 @@
              -> rewards -> advantages -> packed global batch -> fixed-shape micro-batches
              -> [reference / old log-probs] -> update(s) -> weights resharded into the rollout instances
              (with the planner: on the TP layout it picked for the next round type)
+    disaggregated: the groups' gradients run on the train pool's thread as they arrive, one update after
+             the rollout; one-step-async: step n's update runs there while step n+1 rolls out on the
+             step-before weights (saved in the checkpoint); stage_balance may add an instance after a step
     end:     checkpoint, HF export (weights, tokenizer, generation config), curves.png
 
 A run that fails before its first RL step completes leaves nothing a later run would resume from: its
@@ -40,6 +45,7 @@ from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
 from . import rl
+from . import update_stage as stage
 from .batch import FIELDS, INT_FIELDS, Sample
 from .blockwise import BlockwiseUpdater
 from .rollout_kv import KVStager
@@ -57,6 +63,9 @@ from .warm_start import supervised_warm_start
 from .optim import init_state
 from .preflight import ResumePlan, StartupError, check_tokenizer, plan_resume, write_config
 from .step import make_logprob_fn, make_train_step
+from .balance import ScaleUp
+from .grad_stream import GradientStream, warm_sum
+from .pipeline import Prefetched, TrainWorker, check_staleness, split_devices
 from .stream import StreamTrainer
 from .update import Updater
 
@@ -64,8 +73,9 @@ log = logging.getLogger("jaxrl.train")
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, plan: ResumePlan | None = None):
-        """`plan`: the start-up decision of `preflight.plan_resume` (made here when None)."""
+    def __init__(self, cfg: TrainConfig, plan: ResumePlan | None = None, timeline=None):
+        """`plan`: the start-up decision of `preflight.plan_resume` (made here when None). `timeline`
+        (`pipeline.Timeline`): record each pool's busy spans (benchmarks)."""
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.plan = plan if plan is not None else plan_resume(cfg)
         self.is_main = jax.process_index() == 0
@@ -81,10 +91,20 @@ class Trainer:
         self.reward_guard = rl.RewardFailureGuard(cfg.rewards.max_failed_steps)
         self.rewards = cfg.rewards.scheduler(self.pool)     # cancellation; code: sandbox + adaptive timeouts
         layout = cfg.train_layout.build()
-        if layout.size != jax.device_count():
+        train_devices, self.gen_devices = jax.devices(), jax.local_devices()
+        if cfg.placement == "disaggregated":     # StreamRL: disjoint generation and train pools
+            sb, e = cfg.stage_balance, cfg.engine
+            spare = ((sb.max_instances or e.instances) - e.instances) * e.tp
+            try:
+                train_devices, gen, spare = split_devices(train_size=layout.size, gen_per_process=e.num_devices,
+                                                          spare_per_process=spare)
+            except ValueError as err:
+                raise SystemExit(str(err)) from None
+            self.gen_devices = gen + spare
+        elif layout.size != jax.device_count():
             raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
                              f"{jax.device_count()} are visible over {jax.process_count()} process(es)")
-        self.mesh = layout.make_mesh(jax.devices())
+        self.mesh = layout.make_mesh(train_devices)
         self.padded_vocab = padded_vocab_for(self.model_cfg, layout)     # vocab rows padded to a multiple of tp
         self.shardings = shardings_for(logical_axes(self.model_cfg, vocab_size=self.padded_vocab), self.mesh,
                                        ShardingRules.train(self.model_cfg, layout))
@@ -125,8 +145,21 @@ class Trainer:
                                         pack_len=self.pack_len, mb_rows=self.mb_rows)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         sk = cfg.rollout.skew
-        self.svc = e.build(self.model_cfg, self.params, devices=jax.local_devices(),
+        self.svc = e.build(self.model_cfg, self.params, devices=self.gen_devices,
                            order="lpt" if sk.enabled and sk.lpt else "fcfs")
+        self.engine_version = 0         # the step whose weights the generation instances hold
+        self.prefetched: Prefetched | None = None      # one-step-async: the next step's rollout, already made
+        self.worker = self.gstream = self.balance = None
+        self.timeline = timeline
+        if timeline is not None:        # each engine step is a busy span of the generation pool
+            self.svc.observers.append(lambda a, b: timeline.add("gen", "decode", a, b))
+        if cfg.placement == "disaggregated":     # the train pool's thread; streamed gradients (one process)
+            self.worker = TrainWorker(timeline)
+            if not t.async_steps and jax.process_count() == 1:
+                self.gstream = GradientStream(cfg, self.spec, self.updater, self.mesh, pack_len=self.pack_len,
+                                              mb_rows=self.mb_rows, executor=self.worker)
+            if cfg.stage_balance.scale_up:
+                self.balance = ScaleUp(cfg.stage_balance, e.tp)
         self.skew = None
         if sk.enabled:           # StreamRL: length ranker -> long-tail prompts on dedicated instances, LPT inside
             self.skew = SkewStep(sk, max_prompt_len=cfg.data.max_prompt_len, group_size=cfg.algo.group_size,
@@ -194,6 +227,8 @@ class Trainer:
         meta["reward_scheduler"] = self.rewards.state_dict()       # the adaptive timeouts' anchors
         if self.skew:
             meta["skew"] = self.skew.state_dict()          # the length ranker and its history
+        if self.prefetched is not None:
+            meta["prefetched"] = self.prefetched.state_dict()      # one-step-async: the next step's rollout
         self.ckpt.save(self.step, self._state(), meta)
 
     def _maybe_resume(self) -> bool:
@@ -219,6 +254,9 @@ class Trainer:
             self.rewards.load_state_dict(meta["reward_scheduler"])
         if self.skew and "skew" in meta:
             self.skew.load_state_dict(meta["skew"])
+        if "prefetched" in meta:
+            self.prefetched = Prefetched.from_state(meta["prefetched"])
+        self.engine_version = self.step
         self._sync_weights()
         if self.is_main:
             print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
@@ -235,8 +273,10 @@ class Trainer:
         self.svc.update_weights(self.params)
 
     # ------------------------------------------------------------------------------------- RL step
-    def rl_step(self) -> dict:
-        cfg, G = self.cfg, self.cfg.algo.group_size
+    def collect(self, step: int) -> Prefetched:
+        """Step `step`'s rollout with its rewards (tail batching: a short round's race, dynamic sampling's
+        waves, or a long round from the queue), on the weights the generation instances hold now."""
+        cfg = self.cfg
         t0 = time.perf_counter()
         preempted = total_preemptions(self.svc)
         hooks = {}
@@ -245,30 +285,45 @@ class Trainer:
             prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
             if self.stream:
                 hooks.update(self._stream_hooks(prompts))
+            if self.gstream:         # StreamRL dynamic-batch pipelining: gradients on the train pool as groups arrive
+                hooks.update(self._pipeline_hooks(prompts))
             if self.skew:
                 hooks["route"] = lambda ps: self.skew.place(self.svc, ps)
-            return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, self.step,
+            return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
                                         self.tokenizer.eos_ids, race=race, responses=responses, **hooks)
 
         plan = None
         if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
             tb = cfg.rollout.tail_batching
-            got = tail_round(self.tail, lambda: next(self.loader), self.dataset, self.step, rollout,
+            got = tail_round(self.tail, lambda: next(self.loader), self.dataset, step, rollout,
                              dynamic_sampling=tb.dynamic_sampling, max_waves=tb.max_waves, gather=allgather)
             plan, rows, comps, rewards, rstats = got.plan, got.rows, got.completions, got.rewards, got.stats
         else:
             rows = next(self.loader)
             comps, rewards, rstats = rollout(rows)
-        prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)   # the trained prompts, in order
         preempted = int(global_sum(total_preemptions(self.svc) - preempted))
         if self.planner:         # this round type's next TP, from this step's preemptions (applied at the sync)
             self.planner.decide(plan.kind if plan else "sync", preempted)
         self.reward_guard.update(rstats)         # raises after rewards.max_failed_steps all-failed steps
         t2 = time.perf_counter()
         t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
+        rstats.update(rollout_s=t1 - t0, reward_s=t2 - t1, preempted=preempted)
+        return Prefetched(step, self.engine_version, list(rows), comps, rewards, rstats, plan)
+
+    def rl_step(self) -> dict:
+        cfg, G = self.cfg, self.cfg.algo.group_size
+        t0 = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.step = self.step
+        got, self.prefetched = self.prefetched or self.collect(self.step), None
+        plan, rows, comps, rewards, rstats = got.plan, got.rows, got.completions, got.rewards, got.stats
+        prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)   # the trained prompts, in order
+        t2 = time.perf_counter()
         lens = [len(c.tokens) for c in comps]
         adv = rl.advantages(cfg, rewards, lens)
-        samples = [Sample(prompts[k // G], c.tokens, adv[k]) for k, c in enumerate(comps)]
+        samples = [Sample(prompts[k // G], c.tokens, adv[k], c.logprobs, got.version) for k, c in enumerate(comps)]
+        staleness = check_staleness(self.step, [got.version])
+        wait = 0.0
         if plan and not int(global_sum([len(samples)])[0]):     # dynamic sampling kept no group with signal
             log.warning("step %d: every group's rewards were all equal (dynamic sampling, %d waves); nothing to "
                         "train, no update", self.step, rstats["waves"])
@@ -276,19 +331,39 @@ class Trainer:
         elif self.stream:      # the groups' gradients were (partly) computed during the rollout
             self.params, self.opt_state, m = self.stream.finish(self.params, self.opt_state)
             m = jax.device_get(m)
+        elif self.gstream:     # StreamRL sync: the rest on the train pool, sums combined, one update
+            t = time.perf_counter()
+            self.params, self.opt_state, m = self.worker.submit("update", self.gstream.apply, self.params,
+                                                                self.opt_state).result()
+            m, wait = jax.device_get(m), time.perf_counter() - t
+        elif cfg.trainer.async_steps:     # StreamRL one-step-async: the next rollout runs while this trains
+            fut = self.worker.submit("update", stage.run, self, *stage.prepare(self, samples))
+            if self.step + 1 < cfg.steps:
+                self.prefetched = self.collect(self.step + 1)
+            t = time.perf_counter()
+            m, wait = jax.device_get(fut.result()), time.perf_counter() - t
+        elif self.worker is not None:     # disaggregated, several processes: after the rollout, on the train pool
+            m = jax.device_get(self.worker.submit("update", stage.run, self, *stage.prepare(self, samples)).result())
         elif self.updater:
-            m = self._update(samples, [c.kv for c in comps] if self.stager else None)
+            kvs = [c.kv for c in comps] if self.stager else None     # MetroRLHF kv_source=rollout
+            m = jax.device_get(stage.run(self, *stage.prepare(self, samples, kvs)))
         else:
-            m = self._update_fused(samples)
+            m = stage.fused(self, samples)
         t3 = time.perf_counter()
         self._sync_weights()
+        self.engine_version = self.step + 1
         t4 = time.perf_counter()
+        if self.timeline is not None:
+            if self.worker is None:      # colocated: the update ran on the shared devices, after the rollout
+                self.timeline.add("train", "update", t2, t3)
+            jax.block_until_ready(jax.tree.leaves([i.weights for i in self.svc.instances]))
+            self.timeline.add("gen", "sync", t3, time.perf_counter())
         if int(m["skipped"]):
             log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
-        out = step_metrics(rewards, lens, rstats, m, dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2,
-                                                          sync_s=t4 - t3, step_seconds=t4 - t0),
+        out = step_metrics(rewards, lens, rstats, m, dict(rollout_s=rstats["rollout_s"], reward_s=rstats["reward_s"],
+                                                          train_s=t3 - t2, sync_s=t4 - t3, step_seconds=t4 - t0),
                            lr=float(self.lr(self.step * cfg.algo.mini_batches)), svc=self.svc)
-        out["preemptions"] = preempted
+        out["preemptions"] = rstats["preempted"]
         out.update(self.rewards.metrics())         # reward/...: cancellations, elapsed time, adaptive timeouts
         if plan:
             out.update(tail_metrics(plan, rstats, lens, trained=len(rows), queue_len=len(self.tail.queue)))
@@ -298,10 +373,39 @@ class Trainer:
             self.skew.observe(prompts, [lens[k * G:(k + 1) * G] for k in range(len(prompts))],
                               log=self.run_dir / "length_pairs.jsonl" if self.is_main else None)
             out.update(self.skew.finish(self.step))
+        if cfg.placement == "disaggregated":     # StreamRL: the pools, the streamed groups, staleness, the bubble
+            out.update(self._placement_metrics(staleness, wait, rstats))
         if self.svc.adaptive is not None:        # PAT: this step's switch decisions (records: pat_decisions.jsonl)
             out.update(self.svc.adaptive.step_metrics(self.step, self.run_dir / "pat_decisions.jsonl"
                                                       if self.is_main else None))
         return out
+
+    def _placement_metrics(self, staleness: int, wait: float, rstats: dict) -> dict:
+        gs, cfg = self.gstream, self.cfg
+        out = {"placement/gen_devices": sum(self.svc.layout), "placement/train_devices": self.mesh.size,
+               "placement/gen_instances": len(self.svc.instances), "placement/staleness": staleness,
+               "placement/train_wait_s": wait}
+        if gs is not None:
+            out.update({"placement/groups_streamed": gs.groups_early, "placement/groups": gs.groups,
+                        "placement/micro_batches_streamed": gs.micro_batches_early})
+        if self.balance is not None:
+            out.update(self.balance.step(self.svc, rstats["rollout_s"], self.worker.take_busy(), self.params,
+                                         warm=self._rollout_params() if cfg.trainer.warmup else None))
+        return out
+
+    def _pipeline_hooks(self, prompts) -> dict:
+        """rollout_and_score hook of dynamic-batch pipelining: each scored group, with its advantages, to the
+        gradient stream on the train pool (started at this step's weights)."""
+        gs, cfg = self.gstream, self.cfg
+        gs.begin(self.ref_params)
+        gs.target(self.params, self.ref_params, gs.train_rows)
+
+        def on_group(p, comps, rewards):
+            lens = [len(c.tokens) for c in comps]
+            adv = rl.advantages(cfg, rewards, lens)
+            gs.add([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
+
+        return {"on_group": on_group}
 
     def _stream_hooks(self, prompts) -> dict:
         """rollout_and_score hooks of the stream trainer: milestone checks after each engine step (may free
@@ -335,54 +439,6 @@ class Trainer:
         return [self.cfg.rollout.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids,
                                        return_kv=rl.uses_rollout_kv(self.cfg))]
 
-    def _update(self, samples, kvs=None) -> dict:
-        """Fixed-shape micro-batches: [reference / old log-probs per micro-batch], then `mini_batches`
-        updates over consecutive groups of them. `kvs`: the completions' exported K/V (kv_source=rollout)."""
-        cfg, mini = self.cfg, self.cfg.algo.mini_batches
-        mbs, rows = rl.micro_batches(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens, self.mb_rows,
-                                     mini, with_rows=True)
-        caches = None
-        if kvs is not None:          # the rollout's K/V, packed like each micro-batch (on the train mesh)
-            offsets = self.stager.stage(kvs)
-            cached, lengths = [kv.length for kv in kvs], [len(s.prompt) + len(s.response) for s in samples]
-            row_len = self.updater.padded_len(self.pack_len)
-            caches = [self.stager.packed(self.stager.index(rows, offsets, cached, lengths, j * self.mb_rows,
-                                                           self.mb_rows, row_len)) for j in range(len(mbs))]
-        for mb in mbs:
-            if self.spec.kl_coef:
-                mb["ref_logp"] = self.updater.logprobs(self.ref_params, mb)
-            if mini > 1:
-                mb["old_logp"] = self.updater.logprobs(self.params, mb)
-        per = len(mbs) // mini
-        blocks = skipped = 0
-        for k in range(mini):
-            part = slice(k * per, (k + 1) * per)
-            kw = {"kv": caches[part]} if caches is not None else {}
-            self.params, self.opt_state, m = self.updater.update(self.params, self.opt_state, mbs[part], **kw)
-            if isinstance(self.updater, BlockwiseUpdater):
-                blocks, skipped = blocks + self.updater.last["blocks"], skipped + self.updater.last["skipped"]
-        m = jax.device_get(m)
-        if isinstance(self.updater, BlockwiseUpdater):      # it says that it ran (blockwise/... metrics)
-            m.update({"blockwise/blocks": blocks, "blockwise/skipped": skipped})
-        return m
-
-    def _update_fused(self, samples) -> dict:
-        """trainer.micro_batch_tokens=null: one bucketed batch, one fused step per mini-batch."""
-        cfg = self.cfg
-        batch = rl.global_batch(samples, cfg, self.mesh, self.pack_len, cfg.rollout.max_new_tokens)
-        if self.spec.kl_coef:
-            batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)
-        mb = cfg.algo.mini_batches
-        if mb > 1:
-            batch["old_logp"] = self.logprob_fn(self.params, batch)
-        else:   # on-policy, one update: old log-probs are the current ones (ratio 1, exact)
-            batch["old_logp"] = None
-        rows_per = batch["tokens"].shape[0] // mb
-        for k in range(mb):
-            part = {n: v[k * rows_per:(k + 1) * rows_per] for n, v in batch.items() if v is not None}
-            self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, part, 1.0)
-        return jax.device_get(m)
-
     # -------------------------------------------------------------------------------------- warm-up
     def warm_up(self):
         """Compile every executable the RL steps will run: the rollout instances' bounded step shapes and
@@ -395,7 +451,8 @@ class Trainer:
             n += self.svc.adaptive.warm_layouts(self.svc, self._rollout_params())
         if self.updater:
             sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
-            keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * (self.cfg.algo.mini_batches > 1)
+            keys = list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * (
+                self.cfg.algo.mini_batches > 1 or self.cfg.trainer.async_steps > 0)
             mb = {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len),
                                           jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=sharding)
                   for k in keys}
@@ -410,6 +467,13 @@ class Trainer:
                                    logp_params=[self.ref_params] if self.ref_params is not None else [], **extra)
             if self.stream:      # the freed devices' gradient / reference executables
                 n += self.stream.warm(self.params, self.opt_state, self.ref_params, svc=self.svc)
+            if self.gstream:     # the final sum's add program (plain jitted: counted by the compile counter)
+                warm_sum(self.gstream, self.params)
+        if self.balance:         # every spare instance's step set, so a scale-up compiles nothing
+            e, k = self.cfg.engine, len(self.svc.instances)
+            self.svc.relayout(e.tp, self.cfg.stage_balance.max_instances, weights=self.params)
+            n += self.svc.warm(self._rollout_params())
+            self.svc.relayout(e.tp, k, weights=self.params)
         if self.skew:            # the length ranker's train step and forward
             self.skew.ranker.warm()
         self.svc.update_weights(self.params)
@@ -498,3 +562,5 @@ class Trainer:
         self.profiler.close()
         self.pool.close()
         self.metrics.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,80 @@
+"""`placement`, `trainer.async_steps` and `stage_balance`: StreamRL's disaggregated generation and training
+(`jaxrl.train.pipeline`, `jaxrl.train.balance`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import ConfigError, Section, check_int
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBalanceSection(Section):
+    """StreamRL §4.2 dynamic scale-up (placement=disaggregated): after each step, with δ = T_g − T_t (the
+    measured generation and training seconds), one more generation instance is added when δ >= δ', the
+    generation time it is predicted to save (T_g / (k + 1) with k instances: data-parallel instances split
+    the prompts), and a spare device group is free. `max_instances` instances at most; the process asks
+    for their devices at start (the spare ones stay idle until used)."""
+
+    scale_up: bool = False                 # add a generation instance when delta >= delta'
+    max_instances: int | None = None       # generation instances at most (null: engine.instances, no spares)
+    min_steps: int = 1                     # steps between two scale-ups (let the measurement settle)
+
+    def __post_init__(self):
+        if self.max_instances is not None:
+            check_int("max_instances", self.max_instances, minimum=1)
+        check_int("min_steps", self.min_steps, minimum=1)
+        if self.scale_up and self.max_instances is None:
+            raise ConfigError("max_instances", "stage_balance.scale_up needs spare devices: set "
+                              "stage_balance.max_instances above engine.instances")
+
+
+def check_placement(cfg) -> None:
+    """Refuse, naming the key, what disaggregated or one-step-async training cannot run."""
+    t, e, sb = cfg.trainer, cfg.engine, cfg.stage_balance
+    if cfg.placement not in PLACEMENTS:
+        raise ConfigError("placement", f"{cfg.placement!r}; valid choices: {', '.join(PLACEMENTS)}")
+    check_int("trainer.async_steps", t.async_steps, minimum=0)
+    if t.async_steps > 1:
+        raise ConfigError("trainer.async_steps", f"{t.async_steps}: 0 (synchronous) or 1 (one-step-async) only")
+    if sb.max_instances is not None and sb.max_instances < e.instances:
+        raise ConfigError("stage_balance.max_instances", f"{sb.max_instances} < engine.instances={e.instances}")
+    if cfg.placement == "colocated":
+        if t.async_steps:
+            raise ConfigError("trainer.async_steps", "1 needs placement=disaggregated: on shared devices the next "
+                              "rollout cannot run while this step trains")
+        if sb.scale_up:
+            raise ConfigError("stage_balance.scale_up", "needs placement=disaggregated (separate pools to balance)")
+        return
+    why = "with placement=disaggregated"
+    if t.stream.enabled:
+        raise ConfigError("trainer.stream.enabled", f"true {why}: training has its own devices; RollPacker's stream "
+                          "trainer frees rollout devices for it (colocated placement)")
+    if e.adaptive_tp.enabled or e.planner.enabled:
+        key = "engine.adaptive_tp.enabled" if e.adaptive_tp.enabled else "engine.planner.enabled"
+        if sb.scale_up:
+            raise ConfigError(key, "true with stage_balance.scale_up: both change the generation layout; use one")
+    if t.micro_batch_tokens is None:
+        raise ConfigError("trainer.micro_batch_tokens", f"null {why}: gradients stream over fixed-shape "
+                          "micro-batches; set a token budget")
+    if t.backward != "full":
+        raise ConfigError("trainer.backward", f"{t.backward} {why}: the blockwise backward updates inside its own "
+                          "step (no gradient-only entry point to stream yet); use full")
+    if cfg.algo.advantage == "reinforce_pp":
+        raise ConfigError("algo.advantage", f"reinforce_pp {why}: its advantages are normalised over the whole "
+                          "batch, unknown until the rollout ends; use a group estimator (grpo, dr_grpo, rloo)")
+    if t.async_steps:
+        why = "with trainer.async_steps=1"
+        if (cfg.distributed.num_processes or 1) > 1:
+            raise ConfigError("distributed.num_processes", f"{cfg.distributed.num_processes} {why}: the next rollout's "
+                              "cross-process agreements (global counts) would interleave with the update's "
+                              "collectives in a different order on each process; run one process")
+        if cfg.rollout.tail_batching.enabled:
+            raise ConfigError("rollout.tail_batching.enabled", f"true {why}: the race and the long-prompt queue "
+                              "assume the rollout of the step being trained; use one or the other")
+        if e.adaptive_tp.enabled or e.planner.enabled:
+            key = "engine.adaptive_tp.enabled" if e.adaptive_tp.enabled else "engine.planner.enabled"
+            raise ConfigError(key, f"true {why}: the layout changes at the weight sync, which now happens while "
+                              "the next rollout runs; use one or the other")

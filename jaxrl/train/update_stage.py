@@ -1,0 +1,72 @@
+"""The update stage of an RL step (the trainer's state in, new params and opt_state out), over the
+trainer `tr`'s mesh, updater and micro-batch shape:
+
+    mbs, caches = prepare(tr, samples, kvs)    # host: pack, agree on counts across processes
+    m = run(tr, mbs, caches)                   # devices: [reference / old log-probs], mini_batches updates
+    m = fused(tr, samples)                     # trainer.micro_batch_tokens=null: one bucketed fused step
+
+`prepare` and `run` are split so StreamRL's one-step-async can pack on the main thread and run the
+device half on the train pool's thread (`pipeline.TrainWorker`) while the next rollout runs.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from . import rl
+from .blockwise import BlockwiseUpdater
+
+
+def prepare(tr, samples, kvs=None):
+    """The host half of the update (packing; agrees on counts across processes): (micro-batches, caches).
+    One-step-async packs the rollout's log-probs as the behaviour policy (`old_logp`)."""
+    cfg, mini = tr.cfg, tr.cfg.algo.mini_batches
+    mbs, rows = rl.micro_batches(samples, cfg, tr.mesh, tr.pack_len, cfg.rollout.max_new_tokens, tr.mb_rows,
+                                 mini, with_rows=True, behaviour=bool(cfg.trainer.async_steps))
+    caches = None
+    if kvs is not None:          # the rollout's K/V, packed like each micro-batch (on the train mesh)
+        offsets = tr.stager.stage(kvs)
+        cached, lengths = [kv.length for kv in kvs], [len(s.prompt) + len(s.response) for s in samples]
+        row_len = tr.updater.padded_len(tr.pack_len)
+        caches = [tr.stager.packed(tr.stager.index(rows, offsets, cached, lengths, j * tr.mb_rows,
+                                                   tr.mb_rows, row_len)) for j in range(len(mbs))]
+    return mbs, caches
+
+
+def run(tr, mbs, caches) -> dict:
+    """The device half of the update: log-prob passes and the updates; returns the metrics on the devices."""
+    mini = tr.cfg.algo.mini_batches
+    for mb in mbs:
+        if tr.spec.kl_coef:
+            mb["ref_logp"] = tr.updater.logprobs(tr.ref_params, mb)
+        if mini > 1 and "old_logp" not in mb:
+            mb["old_logp"] = tr.updater.logprobs(tr.params, mb)
+    per = len(mbs) // mini
+    blocks = skipped = 0
+    for k in range(mini):
+        part = slice(k * per, (k + 1) * per)
+        kw = {"kv": caches[part]} if caches is not None else {}
+        tr.params, tr.opt_state, m = tr.updater.update(tr.params, tr.opt_state, mbs[part], **kw)
+        if isinstance(tr.updater, BlockwiseUpdater):
+            blocks, skipped = blocks + tr.updater.last["blocks"], skipped + tr.updater.last["skipped"]
+    if isinstance(tr.updater, BlockwiseUpdater):      # it says that it ran (blockwise/... metrics)
+        m.update({"blockwise/blocks": blocks, "blockwise/skipped": skipped})
+    return m
+
+
+def fused(tr, samples) -> dict:
+    """trainer.micro_batch_tokens=null: one bucketed batch, one fused step per mini-batch."""
+    cfg = tr.cfg
+    batch = rl.global_batch(samples, cfg, tr.mesh, tr.pack_len, cfg.rollout.max_new_tokens)
+    if tr.spec.kl_coef:
+        batch["ref_logp"] = tr.logprob_fn(tr.ref_params, batch)
+    mb = cfg.algo.mini_batches
+    if mb > 1:
+        batch["old_logp"] = tr.logprob_fn(tr.params, batch)
+    else:   # on-policy, one update: old log-probs are the current ones (ratio 1, exact)
+        batch["old_logp"] = None
+    rows_per = batch["tokens"].shape[0] // mb
+    for k in range(mb):
+        part = {n: v[k * rows_per:(k + 1) * rows_per] for n, v in batch.items() if v is not None}
+        tr.params, tr.opt_state, m = tr.train_step(tr.params, tr.opt_state, part, 1.0)
+    return jax.device_get(m)
