@@ -77,12 +77,11 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     G = responses or cfg.algo.group_size
     sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
     rids = []
-    where_to, priority = route(prompts) if route is not None else ([None] * len(prompts), [0.0] * len(prompts))
-    for ids, row, inst, prio in zip(prompts, rows, where_to, priority):
+    placed = [{}] * len(prompts) if route is None else [dict(instance=i, priority=q) for i, q in zip(*route(prompts))]
+    for ids, row, where_to in zip(prompts, rows, placed):
         params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])),
                          return_kv=uses_rollout_kv(cfg))
-        rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params), instance=inst,
-                            priority=prio))
+        rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params), **where_to))
     where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group)}
     comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
     scores = np.zeros((len(prompts), G), np.float32)
