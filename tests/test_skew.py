@@ -209,7 +209,7 @@ def test_skew_step_places_after_the_ranker_learns(tmp_path):
     weights = init(jax.random.key(0), CFG)
     svc = RolloutService(CFG, weights, tp=1, instances=4, page_size=8, num_pages=48, max_seq_len=40, max_batch=16)
     sec = SkewSection(enabled=True, ptl_base_s=0.01, ptl_per_seq_s=0.004,
-                      ranker=RankerSection(train_steps=150, d_model=32, batch=32))
+                      ranker=RankerSection(refresh_every=1, train_steps=150, d_model=32, batch=32))
     sk = SkewStep(sec, max_prompt_len=16, group_size=2, max_new_tokens=64, seed=0, tp=1)
     rng = np.random.default_rng(0)
 

@@ -78,6 +78,7 @@ ROLLOUT_KEYS = ["reward_mean", "response_len_mean", "response_len_max", "pass_ra
 
 # StreamRL skew-aware placement over 4 instances, the length ranker refreshed every step (tiny sizes).
 SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4", "rollout.skew.ranker.train_steps=20",
+        "rollout.skew.ranker.refresh_every=1",
         "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16"]
 
 
