@@ -236,16 +236,16 @@ def test_dynamic_sampling_with_no_signal_trains_nothing(tmp_path):
 
 
 def test_disaggregated_equals_colocated(tmp_path):
-    """Dynamic-batch pipelining on a separate train pool: the same rollouts and, after 3 updates, the same
+    """Dynamic-batch pipelining on a separate train pool: the same rollouts and, after 2 updates, the same
     weights within float tolerance (the streamed micro-batches pack groups in arrival order)."""
     col, dis = tmp_path / "col", tmp_path / "dis"
-    _train(col, "steps=3", "save_every=null", *POOLS)
-    _train(dis, "steps=3", "save_every=null", *POOLS, "placement=disaggregated")
+    _train(col, "steps=2", "save_every=null", *POOLS)
+    _train(dis, "steps=2", "save_every=null", *POOLS, "placement=disaggregated")
     m1, m2 = _metrics(col), _metrics(dis)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
     assert all(r["placement/groups_streamed"] > 0 and r["placement/groups"] == 8 for r in m2)
-    assert [r["placement/gen_devices"] for r in m2] == [4] * 3 and [r["compiles"] for r in m2][1:] == [0, 0]
+    assert [r["placement/gen_devices"] for r in m2] == [4] * 2 and [r["compiles"] for r in m2][1:] == [0]
     for a, b in zip(_params(col), _params(dis)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
 
@@ -254,14 +254,14 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     """lr = 0: the weights never move, so the one-step-async rollouts (made on the step-before weights while
     the previous step trains) are the synchronous ones; staleness is 0 at the first step, then exactly 1."""
     sync, asy = tmp_path / "sync", tmp_path / "async"
-    common = ["steps=4", "save_every=null", "optim.lr=0", *POOLS, "placement=disaggregated"]
+    common = ["steps=3", "save_every=null", "optim.lr=0", *POOLS, "placement=disaggregated"]
     _train(sync, *common)
     _train(asy, *common, "trainer.async_steps=1")
     m1, m2 = _metrics(sync), _metrics(asy)
     for key in ROLLOUT_KEYS + ["loss", "clip_frac"]:
         assert [r[key] for r in m1] == pytest.approx([r[key] for r in m2], abs=1e-6), key
-    assert [r["placement/staleness"] for r in m2] == [0, 1, 1, 1]
-    assert [r["placement/staleness"] for r in m1] == [0, 0, 0, 0]
+    assert [r["placement/staleness"] for r in m2] == [0, 1, 1]
+    assert [r["placement/staleness"] for r in m1] == [0, 0, 0]
 
 
 def test_disaggregated_two_processes_equal_one(tmp_path):
