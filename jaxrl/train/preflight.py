@@ -50,7 +50,7 @@ def absolute(path: str | os.PathLike) -> str:
 
 # -------------------------------------------------------------------------------------------- paths
 def check_paths(cfg: TrainConfig) -> None:
-    """The model checkpoint directory and the data file exist."""
+    """The model checkpoint directory, the data file and the skew placement's files exist."""
     if cfg.model.hf_path is not None:
         d = Path(cfg.model.hf_path)
         if not d.is_dir():
@@ -62,6 +62,11 @@ def check_paths(cfg: TrainConfig) -> None:
         p = Path(cfg.data.source)
         if not p.is_file():
             raise StartupError(f"data.source={absolute(p)}: no such file (a .jsonl or .parquet file, or 'builtin')")
+    sk = cfg.rollout.skew
+    for key, path in (("rollout.skew.ranker.pairs", sk.ranker.pairs if sk.enabled else None),
+                      ("rollout.skew.profile", sk.profile if sk.enabled else None)):
+        if path is not None and not Path(path).is_file():
+            raise StartupError(f"{key}={absolute(path)}: no such file")
     if cfg.data.tokenizer not in (None, "char", "model") and not Path(cfg.data.tokenizer).is_dir():
         raise StartupError(f"data.tokenizer={absolute(cfg.data.tokenizer)}: no such directory "
                            "(a directory with tokenizer.json, 'char', or null for the model's own)")

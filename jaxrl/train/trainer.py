@@ -169,7 +169,11 @@ class Trainer:
         self.step = 0
         self.resumed = self._maybe_resume()
         if self.skew and cfg.rollout.skew.ranker.pairs and not self.resumed:    # the ranker's warm start
-            n = self.skew.load_pairs(cfg.rollout.skew.ranker.pairs, self.tokenizer)
+            try:
+                n = self.skew.load_pairs(cfg.rollout.skew.ranker.pairs, self.tokenizer)
+            except ValueError as e:           # a bad row: file and line in one line
+                self.pool.close()
+                raise StartupError(f"rollout.skew.ranker.pairs: {e}") from None
             log.info("length ranker: %d warm-start pairs from %s", n, cfg.rollout.skew.ranker.pairs)
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
