@@ -11,6 +11,7 @@ from .base import ConfigError, Section, check_choice, check_float, check_int, ch
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
+REPARTITIONS = ("none", "tokens")              # trainer.repartition (jaxrl.flow.databuffer)
 from .rewards import AdaptiveTimeoutSection, SandboxSection
 from .stream import StreamSection, check_stream
 from .placement import StageBalanceSection, check_placement
@@ -64,9 +65,11 @@ class AlgoSection(Section):
     kl_in_reward: bool = False           # penalty in the reward (reinforce_pp) instead of the loss
     entropy_coef: float = 0.0            # entropy bonus weight
     gamma: float = 1.0                   # discount (reinforce_pp returns)
+    graph: str = "default"               # the step's graph (jaxrl.flow): a built-in name (grpo, dapo, rloo, reinforce_pp) or a .yaml path; default = algo.advantage's
 
     def __post_init__(self):
         check_choice("advantage", self.advantage, ADVANTAGES)
+        check_str("graph", self.graph)
         check_choice("agg", self.agg, AGGREGATIONS)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for name in ("group_size", "prompts_per_step", "mini_batches", "micro_batches"):
@@ -162,8 +165,10 @@ class TrainerSection(Section):
     kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)
     stream: StreamSection = dataclasses.field(default_factory=StreamSection)   # RollPacker's stream trainer
     async_steps: int = 0                 # StreamRL: 1 = the next rollout runs (on the step-before weights) while this step trains
+    repartition: str = "none"            # DistFlow databuffer before packing: none (each process trains its own samples) or tokens (balanced over processes)
 
     def __post_init__(self):
+        check_choice("repartition", self.repartition, REPARTITIONS)
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if self.micro_batch_tokens is not None:

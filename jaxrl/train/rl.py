@@ -45,8 +45,8 @@ def uses_rollout_kv(cfg: TrainConfig) -> bool:
 
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
                       rows: list[dict], step: int, eos_ids, *, race=None, responses: int | None = None,
-                      params_fn=None, on_step=None, on_group=None,
-                      route=None) -> tuple[list[Completion], np.ndarray, dict]:
+                      params_fn=None, on_step=None, on_group=None, route=None,
+                      score: bool = True) -> tuple[list[Completion], np.ndarray, dict]:
     """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
@@ -72,7 +72,12 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     every engine step of a round without a race (responses finished so far, of `total`); `on_group(p,
     completions, rewards)` as soon as prompt p's kept responses are all scored (and, in a race, p is
     accepted), in sample order.
+
+    `score=False`: nothing is scored here (a graph whose reward node does not stream: it scores the batch
+    after the rollout, `score_batch`); the rewards come back as zeros and the stats count no items.
     """
+    if not score and (on_group is not None or (race is not None and race.filter_equal)):
+        raise ValueError("rollout_and_score(score=False): on_group and dynamic sampling need the rewards as they come")
     r = cfg.rollout
     G = responses or cfg.algo.group_size
     sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
@@ -133,11 +138,13 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             comps[p][j] = c
             if race is not None:
                 race.finished(p, j, len(c.tokens))
+            finished += 1
+            if not score:
+                continue
             row = rows[p]
             name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
             sched.submit((p, j), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
             waiting[p, j] = name
-            finished += 1
         take(sched.poll())
         if on_step is not None and race is None:
             on_step(finished, len(prompts) * G)
@@ -162,7 +169,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
         take(sched.poll(timeout=1.0))
         emit_groups()
     emit_groups()
-    statuses = [results[pj] for pj in kept]
+    statuses = [results[pj] for pj in kept] if score else []
     wasted = sum(len(c.tokens) for p, row in enumerate(comps) for j, c in enumerate(row)
                  if c is not None and (p, j) not in wanted)
     stats = dict(items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
@@ -171,6 +178,32 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                  dropped=[] if race is None else list(race.dropped), aborted=aborted, aborted_tokens=aborted_tokens,
                  wasted_tokens=wasted + aborted_tokens)
     return [comps[p][j] for p, j in kept], np.asarray([scores[p, j] for p, j in kept], np.float32), stats
+
+
+def score_batch(sched: RewardScheduler, tokenizer, cfg: TrainConfig, rows: list[dict], comps: list[Completion],
+                group_size: int) -> tuple[np.ndarray, dict]:
+    """Score every completion after the rollout (a reward node that does not stream; `rows[k // group_size]`
+    is completion k's row). Returns (rewards float32, {"items", "timeouts", "crashes", "first_error",
+    "seconds"}) as `rollout_and_score` counts them; seconds is the whole scoring time."""
+    t0 = time.perf_counter()
+    waiting = {}
+    for k, c in enumerate(comps):
+        row = rows[k // group_size]
+        name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
+        sched.submit(("batch", k), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
+        waiting["batch", k] = name
+    scores, statuses, first_error = np.zeros(len(comps), np.float32), [], ""
+    while waiting:
+        for res in sched.poll(timeout=1.0).responses:
+            name = waiting.pop(res.key, None)
+            if name is None:
+                continue
+            scores[res.key[1]] = res.score
+            statuses.append(res.status)
+            if res.status != "ok" and not first_error:
+                first_error = f"{res.status} in {name}: {res.error}"
+    return scores, dict(items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
+                        first_error=first_error, seconds=time.perf_counter() - t0)
 
 
 class RewardsFailedError(RuntimeError):

@@ -44,8 +44,9 @@ from jaxrl.data import DataLoader, PromptDataset, encode_prompts
 from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
+from jaxrl.flow import Flow, GraphError, SampleBuffer, StepData
+
 from . import rl
-from . import update_stage as stage
 from .batch import FIELDS, INT_FIELDS, Sample
 from .blockwise import BlockwiseUpdater
 from .rollout_kv import KVStager
@@ -165,6 +166,13 @@ class Trainer:
             self.skew = SkewStep(sk, max_prompt_len=cfg.data.max_prompt_len, group_size=cfg.algo.group_size,
                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, tp=e.tp)
         self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp)    # RollPacker: per-step rollout TP
+        try:        # DistFlow: the step's graph, planned and bound to its functions before any work
+            self.flow = Flow.build(cfg, streamed_update=bool(self.stream or self.gstream))
+        except GraphError as err:
+            self.pool.close()
+            raise StartupError(str(err)) from None
+        self.databuffer = SampleBuffer(self.mesh, self.pack_len) if t.repartition == "tokens" else None
+        self.log = log
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
         self.resumed = self._maybe_resume()
@@ -277,9 +285,10 @@ class Trainer:
         self.svc.update_weights(self.params)
 
     # ------------------------------------------------------------------------------------- RL step
-    def collect(self, step: int) -> Prefetched:
+    def collect(self, step: int, score: bool = True) -> Prefetched:
         """Step `step`'s rollout with its rewards (tail batching: a short round's race, dynamic sampling's
-        waves, or a long round from the queue), on the weights the generation instances hold now."""
+        waves, or a long round from the queue), on the weights the generation instances hold now.
+        `score=False`: no rewards here (the graph's reward node scores the batch afterwards)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         preempted = total_preemptions(self.svc)
@@ -294,7 +303,8 @@ class Trainer:
             if self.skew:
                 hooks["route"] = lambda ps: self.skew.place(self.svc, ps)
             return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
-                                        self.tokenizer.eos_ids, race=race, responses=responses, **hooks)
+                                        self.tokenizer.eos_ids, race=race, responses=responses, score=score,
+                                        **hooks)
 
         plan = None
         if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
@@ -308,51 +318,26 @@ class Trainer:
         preempted = int(global_sum(total_preemptions(self.svc) - preempted))
         if self.planner:         # this round type's next TP, from this step's preemptions (applied at the sync)
             self.planner.decide(plan.kind if plan else "sync", preempted)
-        self.reward_guard.update(rstats)         # raises after rewards.max_failed_steps all-failed steps
+        if score:
+            self.reward_guard.update(rstats)     # raises after rewards.max_failed_steps all-failed steps
         t2 = time.perf_counter()
         t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
         rstats.update(rollout_s=t1 - t0, reward_s=t2 - t1, preempted=preempted)
         return Prefetched(step, self.engine_version, list(rows), comps, rewards, rstats, plan)
 
     def rl_step(self) -> dict:
+        """One step: the planned chain of the graph's nodes (`jaxrl.flow`) on this process's data, then the
+        weight sync and the step's metrics."""
         cfg, G = self.cfg, self.cfg.algo.group_size
         t0 = time.perf_counter()
         if self.timeline is not None:
             self.timeline.step = self.step
-        got, self.prefetched = self.prefetched or self.collect(self.step), None
-        plan, rows, comps, rewards, rstats = got.plan, got.rows, got.completions, got.rewards, got.stats
-        prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)   # the trained prompts, in order
-        t2 = time.perf_counter()
-        lens = [len(c.tokens) for c in comps]
-        adv = rl.advantages(cfg, rewards, lens)
-        samples = [Sample(prompts[k // G], c.tokens, adv[k], c.logprobs, got.version) for k, c in enumerate(comps)]
-        staleness = check_staleness(self.step, [got.version])
-        wait = 0.0
-        if plan and not int(global_sum([len(samples)])[0]):     # dynamic sampling kept no group with signal
-            log.warning("step %d: every group's rewards were all equal (dynamic sampling, %d waves); nothing to "
-                        "train, no update", self.step, rstats["waves"])
-            m = {"kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "loss": 0.0, "skipped": 0}
-        elif self.stream:      # the groups' gradients were (partly) computed during the rollout
-            self.params, self.opt_state, m = self.stream.finish(self.params, self.opt_state)
-            m = jax.device_get(m)
-        elif self.gstream:     # StreamRL sync: the rest on the train pool, sums combined, one update
-            t = time.perf_counter()
-            self.params, self.opt_state, m = self.worker.submit("update", self.gstream.apply, self.params,
-                                                                self.opt_state).result()
-            m, wait = jax.device_get(m), time.perf_counter() - t
-        elif cfg.trainer.async_steps:     # StreamRL one-step-async: the next rollout runs while this trains
-            fut = self.worker.submit("update", stage.run, self, *stage.prepare(self, samples))
-            if self.step + 1 < cfg.steps:
-                self.prefetched = self.collect(self.step + 1)
-            t = time.perf_counter()
-            m, wait = jax.device_get(fut.result()), time.perf_counter() - t
-        elif self.worker is not None:     # disaggregated, several processes: after the rollout, on the train pool
-            m = jax.device_get(self.worker.submit("update", stage.run, self, *stage.prepare(self, samples)).result())
-        elif self.updater:
-            kvs = [c.kv for c in comps] if self.stager else None     # MetroRLHF kv_source=rollout
-            m = jax.device_get(stage.run(self, *stage.prepare(self, samples, kvs)))
-        else:
-            m = stage.fused(self, samples)
+        data = self.flow.run(self, StepData(self.step))
+        plan, rows, rewards, rstats, m = data.plan, data.rows, data.rewards, data.stats, data.train_metrics
+        lens, prompts, wait = data.lens, data.prompts, data.train_wait_s
+        staleness = check_staleness(self.step, [data.version])
+        t2 = data.extra["times"][self.flow.plan.stages[0].head.id][1]     # the rollout's end
+        all_rewards, all_lens = data.extra.get("rollout", (rewards, lens))   # before a group filter: every rollout
         t3 = time.perf_counter()
         self._sync_weights()
         self.engine_version = self.step + 1
@@ -364,13 +349,15 @@ class Trainer:
             self.timeline.add("gen", "sync", t3, time.perf_counter())
         if int(m["skipped"]):
             log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
-        out = step_metrics(rewards, lens, rstats, m, dict(rollout_s=rstats["rollout_s"], reward_s=rstats["reward_s"],
+        out = step_metrics(all_rewards, all_lens, rstats, m, dict(rollout_s=rstats["rollout_s"], reward_s=rstats["reward_s"],
                                                           train_s=t3 - t2, sync_s=t4 - t3, step_seconds=t4 - t0),
                            lr=float(self.lr(self.step * cfg.algo.mini_batches)), svc=self.svc)
         out["preemptions"] = rstats["preempted"]
+        out["flow/samples"] = int(global_sum([len(data.samples or [])])[0])    # trained, over all processes
+        out.update(data.metrics)                   # the nodes' own (flow/...: group filter, repartition)
         out.update(self.rewards.metrics())         # reward/...: cancellations, elapsed time, adaptive timeouts
         if plan:
-            out.update(tail_metrics(plan, rstats, lens, trained=len(rows), queue_len=len(self.tail.queue)))
+            out.update(tail_metrics(plan, rstats, all_lens, trained=len(rows), queue_len=len(self.tail.queue)))
         if self.planner:
             out.update(self.planner.metrics())
         if self.skew:            # the ranker learns this step's lengths (refresh every k steps)

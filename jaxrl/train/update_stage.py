@@ -3,7 +3,10 @@ trainer `tr`'s mesh, updater and micro-batch shape:
 
     mbs, caches = prepare(tr, samples, kvs)    # host: pack, agree on counts across processes
     m = run(tr, mbs, caches)                   # devices: [reference / old log-probs], mini_batches updates
-    m = fused(tr, samples)                     # trainer.micro_batch_tokens=null: one bucketed fused step
+    m = fused(tr, batch)                       # trainer.micro_batch_tokens=null: one bucketed fused step
+
+The graph's reference node (`jaxrl.flow.nodes.reference`) fills `ref_logp` in the packed batch where it
+runs on this thread; `run` and `fused` compute whatever log-probs are still missing.
 
 `prepare` and `run` are split so StreamRL's one-step-async can pack on the main thread and run the
 device half on the train pool's thread (`pipeline.TrainWorker`) while the next rollout runs.
@@ -37,7 +40,7 @@ def run(tr, mbs, caches) -> dict:
     """The device half of the update: log-prob passes and the updates; returns the metrics on the devices."""
     mini = tr.cfg.algo.mini_batches
     for mb in mbs:
-        if tr.spec.kl_coef:
+        if tr.spec.kl_coef and "ref_logp" not in mb:
             mb["ref_logp"] = tr.updater.logprobs(tr.ref_params, mb)
         if mini > 1 and "old_logp" not in mb:
             mb["old_logp"] = tr.updater.logprobs(tr.params, mb)
@@ -54,11 +57,10 @@ def run(tr, mbs, caches) -> dict:
     return m
 
 
-def fused(tr, samples) -> dict:
-    """trainer.micro_batch_tokens=null: one bucketed batch, one fused step per mini-batch."""
+def fused(tr, batch) -> dict:
+    """trainer.micro_batch_tokens=null: one bucketed batch (`rl.global_batch`), one fused step per mini-batch."""
     cfg = tr.cfg
-    batch = rl.global_batch(samples, cfg, tr.mesh, tr.pack_len, cfg.rollout.max_new_tokens)
-    if tr.spec.kl_coef:
+    if tr.spec.kl_coef and "ref_logp" not in batch:
         batch["ref_logp"] = tr.logprob_fn(tr.ref_params, batch)
     mb = cfg.algo.mini_batches
     if mb > 1:

@@ -1,0 +1,91 @@
+"""What one RL step's nodes share on this process (DistFlow's databuffer, §5): every node reads its deps'
+outputs from a `StepData` and writes its own there. It holds only this process's shard of the step: the
+rows this process loaded, its rollouts, their rewards and advantages, its training samples. Moving data
+between processes is the databuffer's job (`jaxrl.flow.databuffer`), on the devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .graph import Node
+from .planner import Plan
+
+
+@dataclasses.dataclass
+class StepData:
+    step: int
+    rows: list[dict] = dataclasses.field(default_factory=list)          # the dataset rows trained, prompt order
+    prompts: list[list[int]] = dataclasses.field(default_factory=list)  # their token ids
+    completions: list = dataclasses.field(default_factory=list)         # rollout.Completion, prompt-major (p*G + g)
+    rewards: np.ndarray | None = None                                   # [len(completions)] float32
+    stats: dict = dataclasses.field(default_factory=dict)               # the rollout's and rewards' stats
+    plan: Any = None                        # tail batching's round plan (None: a plain synchronous step)
+    version: int = 0                        # the weights version that generated the rollout
+    group_size: int = 1
+    advantages: list[np.ndarray] | None = None    # per sample, per response token
+    samples: list | None = None             # train.batch.Sample, one per completion
+    values: list[np.ndarray] | None = None  # critic: per sample, per response token
+    train_metrics: dict | None = None       # the update's statistics (host values)
+    metrics: dict = dataclasses.field(default_factory=dict)     # extra per-step metrics written by nodes
+    train_wait_s: float = 0.0               # StreamRL: time the step waited for the train pool
+    extra: dict = dataclasses.field(default_factory=dict)       # user nodes' own outputs
+    cache: dict = dataclasses.field(default_factory=dict)       # packed batches (built once, `jaxrl.flow.nodes`)
+
+    @property
+    def lens(self) -> list[int]:
+        return [len(c.tokens) for c in self.completions]
+
+    @property
+    def groups(self) -> int:
+        return len(self.completions) // max(self.group_size, 1)
+
+    def keep_groups(self, keep) -> int:
+        """Keep the prompt groups where `keep[p]` is true (rows, prompts, completions, rewards and whatever
+        per-sample outputs exist), in order; returns how many were dropped. Packed batches are rebuilt."""
+        keep = [bool(k) for k in keep]
+        if len(keep) != self.groups:
+            raise ValueError(f"keep_groups: {len(keep)} flags for {self.groups} groups")
+        G = self.group_size
+        self.extra.setdefault("rollout", (np.asarray(self.rewards), self.lens))    # the step's metrics use all
+        idx = [g * G + j for g, k in enumerate(keep) if k for j in range(G)]
+        self.rows = [r for r, k in zip(self.rows, keep) if k]
+        self.prompts = [p for p, k in zip(self.prompts, keep) if k]
+        self.completions = [self.completions[i] for i in idx]
+        if self.rewards is not None:
+            self.rewards = np.asarray(self.rewards)[idx]
+        for name in ("advantages", "samples", "values"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, [v[i] for i in idx])
+        self.cache.clear()
+        return keep.count(False)
+
+
+@dataclasses.dataclass
+class FlowContext:
+    """What a node function gets besides the data: the trainer, its own node and the plan."""
+
+    trainer: Any
+    node: Node
+    plan: Plan
+
+    @property
+    def streamed(self) -> bool:
+        """True when this node is a streamed consumer of a pipelined stage (its items were handled while
+        the producer ran)."""
+        return self.plan.streamed(self.node.id)
+
+    @property
+    def rewards_streamed(self) -> bool:
+        """Whether the plan scores rewards as the rollout yields responses (a streamed reward node)."""
+        return any(n.role == "reward" and n.type == "compute" and self.plan.streamed(n.id) for n in self.plan.graph.nodes)
+
+    def streams_to(self, role: str, type: str) -> bool:
+        """Whether a node of (role, type) takes this (head) node's items as a stream in its pipelined stage:
+        the producer then wires that consumer's per-item work into its own loop."""
+        stage = self.plan.stage_of(self.node.id)
+        return stage.head.id == self.node.id and any(n.role == role and n.type == type for n in stage.nodes[1:])

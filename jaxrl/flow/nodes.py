@@ -1,0 +1,159 @@
+"""The built-in nodes: the trainer's existing stage functions, registered by (role, type).
+
+    (actor, model_inference)      rollout      prompts -> completions (`Trainer.collect`: tail batching's
+                                               rounds, skew placement, PAT switches live there)
+    (reward, compute)             reward       completions -> rewards; streamed: scored as each response
+                                               finishes, inside the rollout's loop
+    (advantage, compute)          advantage    rewards -> per-token advantages -> training samples
+    (reference, model_inference)  reference    reference log-probs of the packed batch (kl_coef > 0)
+    (actor, model_train)          update       samples -> [old log-probs] -> optimizer update(s)
+    filter (named)                drop_equal_groups   DAPO's group filter, without the over-sampling
+
+Streamed update (RollPacker's stream trainer, StreamRL's pipelining): reward, advantage, reference and
+update are all streamed consumers of the rollout; the rollout wires their per-group work into its loop
+(`Trainer.collect`'s hooks) and each node's function then finishes what is left after the stream.
+
+Packing into the update's micro-batches happens once per step (`train_batches`), after the databuffer's
+repartition when `trainer.repartition=tokens` (`jaxrl.flow.databuffer`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxrl.data import encode_prompts
+from jaxrl.train import rl
+from jaxrl.train import update_stage as stage
+from jaxrl.train.batch import Sample
+from jaxrl.train.distributed import global_sum
+from jaxrl.train.pipeline import check_staleness
+
+from .data import FlowContext, StepData
+from .registry import register
+
+
+@register("actor", "model_inference", name="rollout")
+def rollout(ctx: FlowContext, data: StepData) -> None:
+    """Step `data.step`'s rollout (or one-step-async's prefetched one) on the weights the engine holds."""
+    tr = ctx.trainer
+    got = tr.prefetched if tr.prefetched is not None else tr.collect(data.step, score=ctx.rewards_streamed)
+    tr.prefetched = None
+    data.rows, data.completions, data.rewards, data.stats = got.rows, got.completions, got.rewards, got.stats
+    data.plan, data.version, data.group_size = got.plan, got.version, tr.cfg.algo.group_size
+    data.prompts = encode_prompts(data.rows, tr.tokenizer, tr.cfg.data.chat)     # the trained prompts, in order
+
+
+@register("reward", "compute", name="reward", stream=True)
+def reward(ctx: FlowContext, data: StepData) -> None:
+    """Rewards of the step's completions. Streamed (the default graphs): already scored while the rollout
+    ran. Otherwise the whole batch is scored now, through the same reward scheduler."""
+    if ctx.streamed:
+        return
+    tr = ctx.trainer
+    data.rewards, got = rl.score_batch(tr.rewards, tr.tokenizer, tr.cfg, data.rows, data.completions, data.group_size)
+    data.stats.update(got)
+    data.stats["reward_s"] = got["seconds"]
+    tr.reward_guard.update(data.stats)
+
+
+@register("advantage", "compute", name="advantage", stream=True)
+def advantage(ctx: FlowContext, data: StepData, estimator: str | None = None) -> None:
+    """Per-token advantages (`algo.advantage`; a graph that names `estimator` is checked against it when the
+    plan is built) and one training sample per completion."""
+    cfg, G = ctx.trainer.cfg, data.group_size
+    data.advantages = rl.advantages(cfg, data.rewards, data.lens)
+    data.samples = [Sample(data.prompts[k // G], c.tokens, data.advantages[k], c.logprobs, data.version)
+                    for k, c in enumerate(data.completions)]
+
+
+@register(name="drop_equal_groups")
+def drop_equal_groups(ctx: FlowContext, data: StepData) -> None:
+    """DAPO's group filter: groups whose rewards are all equal carry no signal and are dropped
+    (`flow/groups_dropped`, over all processes). Without over-sampling: the batch shrinks."""
+    r = np.asarray(data.rewards).reshape(-1, data.group_size)
+    dropped = data.keep_groups(r.max(axis=1) > r.min(axis=1))
+    data.metrics["flow/groups_dropped"] = int(global_sum([dropped])[0])
+
+
+def any_samples(data: StepData) -> bool:
+    return bool(int(global_sum([len(data.samples or [])])[0]))
+
+
+def train_batches(tr, data: StepData):
+    """The update's fixed-shape micro-batches (and the rollout K/V caches), packed once per step; with
+    `trainer.repartition=tokens` the samples are first repartitioned over the processes by tokens."""
+    if "mbs" not in data.cache:
+        samples = data.samples
+        if tr.databuffer is not None:
+            samples, m = tr.databuffer.repartition(samples)
+            data.metrics.update(m)
+        kvs = [c.kv for c in data.completions] if tr.stager else None     # MetroRLHF kv_source=rollout
+        data.cache["mbs"] = stage.prepare(tr, samples, kvs)
+    return data.cache["mbs"]
+
+
+def whole_batch(tr, data: StepData) -> dict:
+    """trainer.micro_batch_tokens=null: the one bucketed global batch, packed once per step."""
+    if "batch" not in data.cache:
+        samples = data.samples
+        if tr.databuffer is not None:
+            samples, m = tr.databuffer.repartition(samples)
+            data.metrics.update(m)
+        data.cache["batch"] = rl.global_batch(samples, tr.cfg, tr.mesh, tr.pack_len, tr.cfg.rollout.max_new_tokens)
+    return data.cache["batch"]
+
+
+@register("reference", "model_inference", name="reference", stream=True)
+def reference(ctx: FlowContext, data: StepData) -> None:
+    """The reference policy's log-probs of the packed batch. Where the update does not run on this thread
+    from packed micro-batches (a streamed update computes them per group; the train pool's thread computes
+    them beside the update), the update computes them instead."""
+    tr = ctx.trainer
+    if ctx.streamed or tr.worker is not None or not any_samples(data):
+        return
+    if tr.updater:
+        mbs, _ = train_batches(tr, data)
+        for mb in mbs:
+            mb["ref_logp"] = tr.updater.logprobs(tr.ref_params, mb)
+    else:
+        batch = whole_batch(tr, data)
+        batch["ref_logp"] = tr.logprob_fn(tr.ref_params, batch)
+
+
+@register("actor", "model_train", name="update", stream=True)
+def update(ctx: FlowContext, data: StepData) -> None:
+    """The policy update from the step's samples: the stream trainer's or the pipelined gradient stream's
+    final update, one-step-async's update on the train pool (the next rollout is collected meanwhile), or
+    the colocated update; sets `data.train_metrics` (host values)."""
+    tr, cfg = ctx.trainer, ctx.trainer.cfg
+    check_staleness(data.step, [data.version])
+    if not any_samples(data):         # every group was dropped (dynamic sampling, a group filter)
+        waves = f", dynamic sampling's {data.stats['waves']} waves" if "waves" in data.stats else ""
+        tr.log.warning("step %d: every group's rewards were all equal (or filtered out%s); nothing to train, "
+                       "no update", data.step, waves)
+        data.train_metrics = {"kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "loss": 0.0,
+                              "skipped": 0}
+        return
+    if tr.stream:          # the groups' gradients were (partly) computed during the rollout
+        tr.params, tr.opt_state, m = tr.stream.finish(tr.params, tr.opt_state)
+        m = jax.device_get(m)
+    elif tr.gstream:       # StreamRL sync: the rest on the train pool, sums combined, one update
+        t = time.perf_counter()
+        tr.params, tr.opt_state, m = tr.worker.submit("update", tr.gstream.apply, tr.params, tr.opt_state).result()
+        m, data.train_wait_s = jax.device_get(m), time.perf_counter() - t
+    elif cfg.trainer.async_steps:     # StreamRL one-step-async: the next rollout runs while this trains
+        fut = tr.worker.submit("update", stage.run, tr, *train_batches(tr, data))
+        if data.step + 1 < cfg.steps:
+            tr.prefetched = tr.collect(data.step + 1, score=ctx.rewards_streamed)
+        t = time.perf_counter()
+        m, data.train_wait_s = jax.device_get(fut.result()), time.perf_counter() - t
+    elif tr.worker is not None:       # disaggregated, several processes: after the rollout, on the train pool
+        m = jax.device_get(tr.worker.submit("update", stage.run, tr, *train_batches(tr, data)).result())
+    elif tr.updater:
+        m = jax.device_get(stage.run(tr, *train_batches(tr, data)))
+    else:
+        m = stage.fused(tr, whole_batch(tr, data))
+    data.train_metrics = m
