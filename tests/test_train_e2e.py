@@ -165,37 +165,47 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tail):
 DYNAMIC = ["rollout.tail_batching.dynamic_sampling=true", "rollout.tail_batching.max_waves=2"]
 
 
-@pytest.mark.parametrize("tail", [0, 1, 2], ids=["sync", "tail_batching", "dynamic_sampling"])
-def test_two_processes_equal_one(tmp_path, tail):
-    """With tail batching the two processes also agree with one on every round's accepted prompts and the
-    queue (the race is decided on lengths, the queue is global); with DAPO dynamic sampling on top, on the
-    dropped groups and the waves too."""
-    one, two = tmp_path / "one", tmp_path / "two"
+# 1 process vs N: (extra settings, N). Dynamic sampling runs on tail batching's rounds (steps 0, 1 short, step 2
+# the long round), so it covers both mechanisms' global agreement.
+MODES = {"sync": ([], 2), "dynamic_sampling": (TAIL + ["steps=3"] + DYNAMIC, 2),
+         "four_balanced": (["trainer.repartition=tokens"], 4)}
+_ONE_PROCESS_RUNS = {}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
+    """2 processes == 1: with tail batching they also agree on every round's accepted prompts and the queue
+    (the race is decided on lengths, the queue is global); with DAPO dynamic sampling on top, on the dropped
+    groups and the waves too. four_balanced: 4 processes whose samples the DistFlow databuffer repartitions
+    by tokens before packing (trainer.repartition=tokens: samples cross processes on the devices) == the
+    1-process sync run (where the repartition is the fast path: nothing to move; shared with `sync`)."""
+    extra, procs = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
     # a sign there), amplifying that noise to ~1e-5; eps=1e-3 keeps the update continuous in the
     # gradient, so "within float tolerance" is what is actually compared.
     common = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3"]
-    common += (TAIL + ["steps=3"]) * bool(tail)   # steps 0, 1 short, step 2 the long round
-    common += DYNAMIC * (tail == 2)
-    _train(one, *common, "engine.instances=8")
-    cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
-           *TINY, *common, "engine.instances=4"]
+    key = tuple(common + [x for x in extra if x != "trainer.repartition=tokens"])
+    if key not in _ONE_PROCESS_RUNS:
+        _ONE_PROCESS_RUNS[key] = tmp_path_factory.mktemp("one")
+        _train(_ONE_PROCESS_RUNS[key], *key, "engine.instances=8")
+    one, many = _ONE_PROCESS_RUNS[key], tmp_path / "many"
+    cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(procs), sys.executable, "-m", "jaxrl.train",
+           f"run_dir={many}", *TINY, *common, *extra, f"engine.instances={8 // procs}"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    m1, m2 = _metrics(one), _metrics(two)
-    keys = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate"]
-    if tail:
+    m1, m2 = _metrics(one), _metrics(many)
+    keys = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate", "flow/samples"]
+    if mode == "dynamic_sampling":
         keys += ["tail/long_round", "tail/queue_len", "tail/queued", "tail/prompts_trained", "tail/aborted_responses",
-                 "tail/wasted_tokens"]
-        if tail == 2:
-            keys += ["tail/dropped_groups", "tail/waves", "tail/batch_short", "tail/prompts_launched"]
-            assert sum(r["tail/dropped_groups"] for r in m1) > 0 and max(r["tail/waves"] for r in m1) == 2
-        else:
-            assert [r["tail/long_round"] for r in m1] == TAIL_KINDS[:3]
-    for key in keys:
-        assert [r[key] for r in m1] == [r[key] for r in m2], key      # the same rollouts
-    for a, b in zip(_params(one), _params(two)):
+                 "tail/wasted_tokens", "tail/dropped_groups", "tail/waves", "tail/batch_short", "tail/prompts_launched"]
+        assert sum(r["tail/dropped_groups"] for r in m1) > 0 and max(r["tail/waves"] for r in m1) == 2
+    if mode == "four_balanced":
+        assert sum(r["flow/bytes_moved"] for r in m2) > 0
+        assert all(r["flow/padding_balanced"] <= r["flow/padding_local"] for r in m2)
+    for k in keys:
+        assert [r[k] for r in m1] == [r[k] for r in m2], k      # the same rollouts
+    for a, b in zip(_params(one), _params(many)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
 
 

@@ -178,7 +178,10 @@ class Databuffer:
 
 class SampleBuffer:
     """The trainer's databuffer between the rollout (each process's own samples) and the update's packed
-    rows: `repartition(samples)` balances tokens over the processes (`trainer.repartition=tokens`)."""
+    rows: `repartition(samples)` balances tokens over the processes (`trainer.repartition=tokens`) when
+    that packs the batch into fewer rows, else moves nothing. Returns this process's samples and the
+    metrics flow/padding_local, flow/padding_balanced (after; = local when nothing moved),
+    flow/bytes_moved and flow/proc0_sample_bytes."""
 
     def __init__(self, mesh, pack_len: int):
         devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
@@ -192,9 +195,20 @@ class SampleBuffer:
         every = [int(x) for x in gather_ragged(np.asarray(lens, np.int64))]
         start = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         by_proc = [every[start[g]:start[g + 1]] for g in range(self.n)]
-        plan = plan_tokens(every, self.n, home=sources(counts), tolerance=self.pack_len)
-        metrics = {"flow/padding_local": padding(by_proc, self.pack_len),
-                   "flow/padding_balanced": padding([[every[i] for i in p] for p in plan], self.pack_len)}
+        home = sources(counts)
+        stay = [list(range(start[g], start[g + 1])) for g in range(self.n)]
+        before = padding(by_proc, self.pack_len)
+
+        def cost(plan):          # (padding, samples moved): the fewest rows, then the fewest moves
+            moves = sum(home[i] != q for q, idx in enumerate(plan) for i in idx)
+            return padding([[every[i] for i in p] for p in plan], self.pack_len), moves
+
+        # balanced to within one packed row (few moves), or as far as single moves go; kept only if it
+        # packs the batch into fewer rows
+        plan = min([stay] + [plan_tokens(every, self.n, home=home, tolerance=t) for t in (self.pack_len, 0)],
+                   key=cost)
+        after = cost(plan)[0]
+        metrics = {"flow/padding_local": before, "flow/padding_balanced": after}
         if is_identity(counts, plan):        # the fast path: nothing moves
             metrics.update({"flow/bytes_moved": 0, "flow/proc0_sample_bytes": 0})
             return samples, metrics

@@ -8,11 +8,12 @@ disaggregated pools, dynamic-batch pipelining and one-step-async with `placement
     warm-up: every rollout step shape (the instances' bounded buckets) and the update's executables
              over its fixed micro-batch shape are compiled, so the RL steps compile nothing
     warm start (optional): supervised steps on the built-in tasks' demonstrations (skipped for other data)
-    each RL step: prompts (tail batching: a short round's speculative draw, or a long round from the
+    each RL step: the chain `algo.graph` plans (`jaxrl.flow`; built-in nodes in `jaxrl/flow/nodes.py`):
+             prompts (tail batching: a short round's speculative draw, or a long round from the
              long-prompt queue) -> rollout (the short round's race aborts the slow responses and prompts)
-             -> rewards -> advantages -> packed global batch -> fixed-shape micro-batches
-             -> [reference / old log-probs] -> update(s) -> weights resharded into the rollout instances
-             (with the planner: on the TP layout it picked for the next round type)
+             => rewards (streamed) -> advantages -> [databuffer repartition] -> packed micro-batches
+             -> [reference log-probs] -> [old log-probs] + update(s); then the weights resharded into the
+             rollout instances (with the planner: on the TP layout it picked for the next round type)
     disaggregated: the groups' gradients run on the train pool's thread as they arrive, one update after
              the rollout; one-step-async: step n's update runs there while step n+1 rolls out on the
              step-before weights (saved in the checkpoint); stage_balance may add an instance after a step
@@ -21,7 +22,8 @@ disaggregated pools, dynamic-batch pipelining and one-step-async with `placement
 A run that fails before its first RL step completes leaves nothing a later run would resume from: its
 checkpoint 0 and the config.yaml it wrote are removed, so a retry with another config starts clean.
 
-Every stage lives in its own module; this file only orders them, times them and records metrics.
+Every stage lives in its own module; the graph orders them; this file sets them up, times the step and
+records its metrics.
 """
 
 from __future__ import annotations
