@@ -82,27 +82,30 @@ def any_samples(data: StepData) -> bool:
     return bool(int(global_sum([len(data.samples or [])])[0]))
 
 
+def update_samples(tr, data: StepData) -> list:
+    """This process's samples for the update: after the databuffer's repartition when
+    `trainer.repartition=tokens` (its metrics go to the step's), else the rollout's own."""
+    if tr.databuffer is None:
+        return data.samples
+    samples, m = tr.databuffer.repartition(data.samples)
+    data.metrics.update(m)
+    return samples
+
+
 def train_batches(tr, data: StepData):
     """The update's fixed-shape micro-batches (and the rollout K/V caches), packed once per step; with
     `trainer.repartition=tokens` the samples are first repartitioned over the processes by tokens."""
     if "mbs" not in data.cache:
-        samples = data.samples
-        if tr.databuffer is not None:
-            samples, m = tr.databuffer.repartition(samples)
-            data.metrics.update(m)
         kvs = [c.kv for c in data.completions] if tr.stager else None     # MetroRLHF kv_source=rollout
-        data.cache["mbs"] = stage.prepare(tr, samples, kvs)
+        data.cache["mbs"] = stage.prepare(tr, update_samples(tr, data), kvs)
     return data.cache["mbs"]
 
 
 def whole_batch(tr, data: StepData) -> dict:
     """trainer.micro_batch_tokens=null: the one bucketed global batch, packed once per step."""
     if "batch" not in data.cache:
-        samples = data.samples
-        if tr.databuffer is not None:
-            samples, m = tr.databuffer.repartition(samples)
-            data.metrics.update(m)
-        data.cache["batch"] = rl.global_batch(samples, tr.cfg, tr.mesh, tr.pack_len, tr.cfg.rollout.max_new_tokens)
+        data.cache["batch"] = rl.global_batch(update_samples(tr, data), tr.cfg, tr.mesh, tr.pack_len,
+                                              tr.cfg.rollout.max_new_tokens)
     return data.cache["batch"]
 
 

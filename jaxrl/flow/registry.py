@@ -41,7 +41,7 @@ def register(role: str | None = None, type: str | None = None, *, name: str | No
 
 
 def _load_builtins():
-    from . import nodes  # noqa: F401  (registers the built-in nodes)
+    importlib.import_module("jaxrl.flow.nodes")      # its decorators register the built-in nodes
 
 
 def import_node(path: str, where: str) -> NodeFn:
