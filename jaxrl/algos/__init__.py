@@ -20,7 +20,7 @@ from .advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, dr_grpo_advan
 from .aggregation import (AGGREGATIONS, Aggregation, aggregate, folded_token_weights, register_aggregation,
                           token_weights)
 from .kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
-from .losses import entropy_bonus, kl_loss, policy_loss, ppo_clip_token_loss, value_loss
+from .losses import entropy_bonus, kl_loss, policy_loss, ppo_clip_token_loss, value_loss, value_token_loss
 from .masked import broadcast_sequence, last_token_mask, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -29,5 +29,5 @@ __all__ = [
     "folded_token_weights", "gae_advantages", "grpo_advantages", "kl_loss", "kl_penalty", "last_token_mask",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "outcome_token_rewards", "policy_loss",
     "ppo_clip_token_loss", "register_advantage", "register_aggregation", "register_kl_estimator",
-    "reinforce_pp_advantages", "rloo_advantages", "token_weights", "value_loss",
+    "reinforce_pp_advantages", "rloo_advantages", "token_weights", "value_loss", "value_token_loss",
 ]

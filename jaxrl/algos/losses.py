@@ -24,7 +24,7 @@ from .kl import KL_ESTIMATORS, kl_k3, kl_penalty
 from .masked import as_mask, check_shapes, masked_mean
 
 __all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "entropy_bonus", "kl_loss", "kl_penalty",
-           "policy_loss", "ppo_clip_token_loss", "value_loss"]
+           "policy_loss", "ppo_clip_token_loss", "value_loss", "value_token_loss"]
 
 _sg = jax.lax.stop_gradient
 
@@ -134,6 +134,20 @@ def entropy_bonus(entropy, mask, agg: str = "token-mean", *, norm_len=None, deno
     return aggregate(entropy, mask, agg, norm_len=norm_len, denom=denom)
 
 
+def value_token_loss(values, old_values, returns, *, clip=0.2):
+    """Per-token squared value error [B, T] before the ½ and the aggregation: max((V − R)², (clip(V, V_old − ε,
+    V_old + ε) − R)²), or (V − R)² with `clip=None`; and where the clipped term is the larger (bool [B, T]).
+    old_values and returns are constants (gradients stopped)."""
+    v = jnp.asarray(values, jnp.float32)
+    old_v = _sg(jnp.asarray(old_values, jnp.float32))
+    ret = _sg(jnp.asarray(returns, jnp.float32))
+    unclipped = jnp.square(v - ret)
+    if clip is None:
+        return unclipped, jnp.zeros(v.shape, bool)
+    clipped_sq = jnp.square(jnp.clip(v, old_v - clip, old_v + clip) - ret)
+    return jnp.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+
+
 def value_loss(values, old_values, returns, mask, clip=0.2, agg: str = "token-mean", *, norm_len=None,
                denom=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO critic loss with value clipping: ½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²).
@@ -153,14 +167,7 @@ def value_loss(values, old_values, returns, mask, clip=0.2, agg: str = "token-me
     if _is_number(clip) and clip < 0:
         raise ValueError(f"value clip={clip} must be >= 0 (or None for no clipping)")
     v = jnp.asarray(values, jnp.float32)
-    old_v = _sg(jnp.asarray(old_values, jnp.float32))
-    ret = _sg(jnp.asarray(returns, jnp.float32))
-    unclipped = jnp.square(v - ret)
-    if clip is None:
-        tok, clipped = unclipped, jnp.zeros(v.shape, bool)
-    else:
-        clipped_sq = jnp.square(jnp.clip(v, old_v - clip, old_v + clip) - ret)
-        tok, clipped = jnp.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+    tok, clipped = value_token_loss(v, old_values, returns, clip=clip)
     loss = 0.5 * AGGREGATIONS[agg](tok, mask, norm_len=norm_len, denom=denom)
     metrics = {"vf_clip_frac": masked_mean(clipped.astype(jnp.float32), mask),
                "value_mean": masked_mean(_sg(v), mask)}

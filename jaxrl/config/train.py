@@ -17,13 +17,15 @@ from .stream import StreamSection, check_stream
 from .placement import StageBalanceSection, check_placement
 from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
+from .optim import OptimSection  # (also imported from here: jaxrl.config.train.OptimSection)
+from .critic import CriticSection, check_critic
 
-# Choices come from the `jaxrl.algos` registries (one list of names, not a copy). "gae" is left out of
-# the advantages: it needs a critic (values per token), which this trainer does not have.
-ADVANTAGES = tuple(name for name in algos.ADVANTAGE_ESTIMATORS if name != "gae")
+# Choices come from the `jaxrl.algos` registries (one list of names, not a copy); "gae" is PPO with a
+# critic (`critic` section, the `ppo` graph).
+ADVANTAGES = tuple(algos.ADVANTAGE_ESTIMATORS)
+KL_IN_REWARD = ("gae", "reinforce_pp")        # estimators whose token rewards carry the KL penalty
 AGGREGATIONS = tuple(algos.AGGREGATIONS)
 KL_ESTIMATORS = tuple(algos.KL_ESTIMATORS)
-SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ class DataSection(Section):
 class AlgoSection(Section):
     """RL objective. GRPO defaults; DAPO = clip_high 0.28 + agg token-mean; Dr. GRPO = dr_grpo + seq-mean-token-sum-norm."""
 
-    advantage: str = "grpo"              # advantage estimator: grpo, dr_grpo, rloo, reinforce_pp
+    advantage: str = "grpo"              # advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae (PPO: a critic)
     group_size: int = 8                  # samples per prompt
     prompts_per_step: int = 16           # global, over all processes
     mini_batches: int = 1                # optimizer updates per rollout batch (>1 makes it off-policy)
@@ -62,10 +64,11 @@ class AlgoSection(Section):
     agg: str = "token-mean"              # loss aggregation over tokens and sequences (jaxrl.algos)
     kl_coef: float = 0.0                 # KL to the reference policy (0 = no reference forward)
     kl_estimator: str = "k3"             # k1, k2 or k3 (Schulman) estimator of the KL term
-    kl_in_reward: bool = False           # penalty in the reward (reinforce_pp) instead of the loss
+    kl_in_reward: bool = False           # gae, reinforce_pp: -kl_coef x KL per token in the reward instead of a loss term
     entropy_coef: float = 0.0            # entropy bonus weight
-    gamma: float = 1.0                   # discount (reinforce_pp returns)
-    graph: str = "default"               # the step's graph (jaxrl.flow): a built-in name (grpo, dapo, rloo, reinforce_pp) or a .yaml path; default = algo.advantage's
+    gamma: float = 1.0                   # discount (reinforce_pp returns, GAE)
+    lam: float = 0.95                    # GAE lambda (algo.advantage=gae)
+    graph: str = "default"               # the step's graph (jaxrl.flow): a built-in name (grpo, dapo, rloo, reinforce_pp, ppo) or a .yaml path; default = algo.advantage's
 
     def __post_init__(self):
         check_choice("advantage", self.advantage, ADVANTAGES)
@@ -74,13 +77,19 @@ class AlgoSection(Section):
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for name in ("group_size", "prompts_per_step", "mini_batches", "micro_batches"):
             check_int(name, getattr(self, name), minimum=1)
-        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "gamma"):
+        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "gamma", "lam"):
             check_float(name, getattr(self, name))
+        for name in ("gamma", "lam"):
+            if getattr(self, name) > 1:
+                raise ConfigError(name, f"must be in [0, 1], got {getattr(self, name)}")
         if self.dual_clip is not None:
             check_float("dual_clip", self.dual_clip, above=1.0)
-        if self.kl_in_reward:
-            raise ConfigError("kl_in_reward", "the KL reward penalty is not wired into the trainer yet (jaxrl.algos "
-                              "supports it: outcome_token_rewards/reinforce_pp take kl=); use kl_coef as a loss term")
+        if self.kl_in_reward and self.advantage not in KL_IN_REWARD:
+            raise ConfigError("kl_in_reward", f"{self.advantage}'s advantages come from outcome rewards only; the "
+                              f"per-token KL penalty needs algo.advantage in {KL_IN_REWARD} (or use kl_coef as a "
+                              "loss term with kl_in_reward=false)")
+        if self.kl_in_reward and not self.kl_coef:
+            raise ConfigError("kl_in_reward", "the reward penalty is -kl_coef x KL per token: set algo.kl_coef > 0")
         if self.group_size < 2 and self.advantage in ("grpo", "dr_grpo", "rloo"):
             raise ConfigError("group_size", f"{self.advantage} needs group_size >= 2")
 
@@ -92,41 +101,9 @@ class AlgoSection(Section):
             return LossSpec(kind="sft", remat=trainer.remat, attention_impl=trainer.attention_impl,
                             fused_loss=trainer.fused_loss)
         return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef,
+                        kl_coef=0.0 if self.kl_in_reward else self.kl_coef, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef,
                         temperature=temperature, remat=trainer.remat, attention_impl=trainer.attention_impl,
                         fused_loss=trainer.fused_loss)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimSection(Section):
-    """AdamW with linear warm-up then `schedule` decay to lr * min_lr_ratio, global-norm clipping."""
-
-    lr: float = 1e-6                     # peak learning rate
-    warmup_steps: int = 0                # linear warm-up updates
-    schedule: str = "constant"           # after warm-up: cosine, linear or constant
-    min_lr_ratio: float = 0.1            # final lr = lr * min_lr_ratio (cosine, linear)
-    weight_decay: float = 0.0            # AdamW decoupled weight decay
-    b1: float = 0.9                      # Adam first-moment decay
-    b2: float = 0.999                    # Adam second-moment decay
-    eps: float = 1e-8                    # Adam denominator epsilon
-    clip_norm: float | None = 1.0        # None = no clipping
-
-    def __post_init__(self):
-        check_float("lr", self.lr)
-        if self.lr < 0:           # 0 freezes the weights (rollouts and metrics only; the async check uses it)
-            raise ConfigError("lr", f"must be >= 0, got {self.lr}")
-        check_int("warmup_steps", self.warmup_steps, minimum=0)
-        check_choice("schedule", self.schedule, SCHEDULES)
-        for name in ("min_lr_ratio", "weight_decay", "b1", "b2", "eps"):
-            check_float(name, getattr(self, name))
-        if self.clip_norm is not None:
-            check_float("clip_norm", self.clip_norm, above=0.0)
-
-    def build(self, total_steps: int):
-        """(optax transformation, learning-rate schedule) for `total_steps` updates (`jaxrl.train.optim`)."""
-        from jaxrl.train.optim import make_optimizer
-
-        return make_optimizer(self, total_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +246,7 @@ class TrainConfig(Section):
     engine: TrainEngineSection = dataclasses.field(default_factory=TrainEngineSection)
     algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    critic: CriticSection = dataclasses.field(default_factory=CriticSection)     # PPO's value model (algo.advantage=gae)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
@@ -305,6 +283,7 @@ class TrainConfig(Section):
             raise ConfigError("algo.micro_batches", f"{self.algo.micro_batches} with trainer.micro_batch_tokens="
                               f"{self.trainer.micro_batch_tokens}: the micro-batches already come from the token "
                               "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
+        check_critic(self)            # before the mechanisms' own checks: PPO refuses them whole
         self._check_blockwise()
         check_stream(self.trainer.stream, self)
         self._check_skew()

@@ -4,6 +4,7 @@
     planner.py     graph -> one deterministic chain of stages (stream edges fused into pipelined stages)
     registry.py    (role, type) -> node function; user nodes by "package.module:function"
     nodes.py       the built-in nodes (the trainer's stage functions)
+    ppo.py         PPO's nodes: the critic's values and update, the reward's KL penalty
     data.py        StepData (one step's data on this process) and FlowContext
     runner.py      Flow: load, resolve against the config, plan, bind, run
     databuffer.py  repartition between data-parallel layouts on the devices (contiguous, token-balanced)

@@ -28,7 +28,9 @@ class StepData:
     group_size: int = 1
     advantages: list[np.ndarray] | None = None    # per sample, per response token
     samples: list | None = None             # train.batch.Sample, one per completion
-    values: list[np.ndarray] | None = None  # critic: per sample, per response token
+    values: list[np.ndarray] | None = None  # critic: per sample, per response token (V at rollout time)
+    returns: list[np.ndarray] | None = None  # GAE: per sample, per response token (the critic's targets)
+    kl: list[np.ndarray] | None = None      # algo.kl_in_reward: per sample, KL to the reference per response token
     train_metrics: dict | None = None       # the update's statistics (host values)
     metrics: dict = dataclasses.field(default_factory=dict)     # extra per-step metrics written by nodes
     train_wait_s: float = 0.0               # StreamRL: time the step waited for the train pool
@@ -57,7 +59,7 @@ class StepData:
         self.completions = [self.completions[i] for i in idx]
         if self.rewards is not None:
             self.rewards = np.asarray(self.rewards)[idx]
-        for name in ("advantages", "samples", "values"):
+        for name in ("advantages", "samples", "values", "returns", "kl"):
             v = getattr(self, name)
             if v is not None:
                 setattr(self, name, [v[i] for i in idx])

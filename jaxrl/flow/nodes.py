@@ -4,7 +4,8 @@
                                                rounds, skew placement, PAT switches live there)
     (reward, compute)             reward       completions -> rewards; streamed: scored as each response
                                                finishes, inside the rollout's loop
-    (advantage, compute)          advantage    rewards -> per-token advantages -> training samples
+    (advantage, compute)          advantage    rewards -> per-token advantages -> training samples (GAE from
+                                               the critic's values with algo.advantage=gae: `jaxrl.flow.ppo`)
     (reference, model_inference)  reference    reference log-probs of the packed batch (kl_coef > 0)
     (actor, model_train)          update       samples -> [old log-probs] -> optimizer update(s)
     filter (named)                drop_equal_groups   DAPO's group filter, without the over-sampling
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 
 from jaxrl.data import encode_prompts
-from jaxrl.train import rl
+from jaxrl.train import critic, rl
 from jaxrl.train import update_stage as stage
 from jaxrl.train.batch import Sample
 from jaxrl.train.distributed import global_sum
@@ -64,7 +65,14 @@ def advantage(ctx: FlowContext, data: StepData, estimator: str | None = None) ->
     """Per-token advantages (`algo.advantage`; a graph that names `estimator` is checked against it when the
     plan is built) and one training sample per completion."""
     cfg, G = ctx.trainer.cfg, data.group_size
-    data.advantages = rl.advantages(cfg, data.rewards, data.lens)
+    kl = data.kl
+    if cfg.algo.kl_in_reward and kl is None:
+        raise RuntimeError(f"node {ctx.node.id!r}: algo.kl_in_reward needs the per-token KL (data.kl) from a "
+                           "reference node before the advantages (the built-in reward_kl)")
+    if cfg.algo.advantage == "gae":      # PPO: GAE from the critic's values (the `ppo` graph's values node)
+        data.advantages, data.returns = critic.gae(cfg, data.rewards, data.lens, data.values, kl)
+    else:
+        data.advantages = rl.advantages(cfg, data.rewards, data.lens, kl=kl)
     data.samples = [Sample(data.prompts[k // G], c.tokens, data.advantages[k], c.logprobs, data.version)
                     for k, c in enumerate(data.completions)]
 
@@ -115,8 +123,8 @@ def reference(ctx: FlowContext, data: StepData) -> None:
     from packed micro-batches (a streamed update computes them per group; the train pool's thread computes
     them beside the update), the update computes them instead."""
     tr = ctx.trainer
-    if ctx.streamed or tr.worker is not None or not any_samples(data):
-        return
+    if not tr.spec.kl_coef or ctx.streamed or tr.worker is not None or not any_samples(data):
+        return            # (no KL loss term: algo.kl_in_reward puts the KL in the rewards, node reward_kl)
     if tr.updater:
         mbs, _ = train_batches(tr, data)
         for mb in mbs:

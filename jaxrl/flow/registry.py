@@ -41,7 +41,8 @@ def register(role: str | None = None, type: str | None = None, *, name: str | No
 
 
 def _load_builtins():
-    importlib.import_module("jaxrl.flow.nodes")      # its decorators register the built-in nodes
+    for module in ("jaxrl.flow.nodes", "jaxrl.flow.ppo"):     # their decorators register the built-in nodes
+        importlib.import_module(module)
 
 
 def import_node(path: str, where: str) -> NodeFn:

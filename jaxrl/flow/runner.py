@@ -17,7 +17,7 @@ from .graph import Graph, GraphError, check, load_graph
 from .planner import Plan, plan
 from .registry import NodeFn, bind
 
-DEFAULT_GRAPHS = {"grpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp"}
+DEFAULT_GRAPHS = {"grpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "gae": "ppo"}
 
 
 def graph_name(cfg) -> str:
@@ -66,6 +66,27 @@ class Flow:
         if cfg.algo.kl_coef and not kl:
             raise GraphError(f"{src}: algo.kl_coef={cfg.algo.kl_coef} needs a reference node "
                              "(role reference, type model_inference)")
+        critic = {n.type for n in self.graph.nodes if n.role == "critic"}
+        if cfg.algo.advantage == "gae" and not {"model_inference", "model_train"} <= critic:
+            raise GraphError(f"{src}: algo.advantage=gae needs a critic: nodes (role critic, type model_inference) "
+                             "for its values and (role critic, type model_train) for its update; use algo.graph=ppo")
+        if critic and cfg.algo.advantage != "gae":
+            raise GraphError(f"{src}: the critic's nodes need algo.advantage=gae (GAE is what reads its values)")
+        if cfg.algo.kl_in_reward:
+            adv = [n for n in self.graph.nodes if (n.role, n.type) == ("advantage", "compute")]
+            if not any(self._ancestors(a.id) & {n.id for n in kl} for a in adv):
+                raise GraphError(f"{src}: algo.kl_in_reward needs a reference node the advantage node depends on "
+                                 "(the built-in `fn: reward_kl`), so the KL is known before the advantages")
+
+    def _ancestors(self, node_id: str) -> set[str]:
+        by_id = {n.id: n for n in self.graph.nodes}
+        seen, todo = set(), list(by_id[node_id].deps)
+        while todo:
+            d = todo.pop()
+            if d not in seen:
+                seen.add(d)
+                todo.extend(by_id[d].deps)
+        return seen
 
     def run(self, trainer, data: StepData) -> StepData:
         """Every stage in order: a pipelined stage's head runs (its streamed consumers' per-item work

@@ -61,17 +61,21 @@ def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
 
 
 def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None = None,
-         rows: list[list[int]] | None = None, behaviour: bool = False) -> dict[str, np.ndarray]:
+         rows: list[list[int]] | None = None, behaviour: bool = False,
+         token_fields: dict[str, list] | None = None) -> dict[str, np.ndarray]:
     """Pack into `n_rows` rows (default: as few as fit) of `pack_len` tokens; `rows` reuses a
     `pack_rows` assignment the caller already computed. `behaviour`: also "old_logp", each response
-    token's rollout log-prob at the index that predicts it (the importance ratio's behaviour policy)."""
+    token's rollout log-prob at the index that predicts it (the importance ratio's behaviour policy).
+    `token_fields`: more float32 fields, name -> one array per sample with a value per response token, each
+    placed at the index that predicts its token (e.g. the critic's "returns" and "old_values")."""
     if rows is None:
         rows = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
     n_rows = len(rows) if n_rows is None else n_rows
     if n_rows < len(rows):
         raise ValueError(f"{len(samples)} sequences need {len(rows)} rows of {pack_len}, only {n_rows} given")
+    token_fields = token_fields or {}
     out = {k: np.zeros((n_rows, pack_len), np.int32 if k in INT_FIELDS else np.float32)
-           for k in FIELDS + ("old_logp",) * behaviour}
+           for k in FIELDS + ("old_logp",) * behaviour + tuple(token_fields)}
     for r, members in enumerate(rows):
         off = 0
         for seg, i in enumerate(members, 1):
@@ -91,5 +95,20 @@ def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None =
                     raise ValueError(f"sample {i}: behaviour log-probs needed for each of its {len(s.response)} "
                                      "response tokens")
                 out["old_logp"][r, resp] = s.logprobs
+            for name, per_sample in token_fields.items():
+                out[name][r, resp] = per_sample[i]
+            off += n
+    return out
+
+
+def unpack(rows: np.ndarray, assignment: list[list[int]], samples: list[Sample]) -> list[np.ndarray]:
+    """`pack`'s inverse for one per-token field: `rows` [n_rows, pack_len] packed with `assignment` ->
+    each sample's values at its response tokens (the indices that predict them), in sample order."""
+    out: list = [None] * len(samples)
+    for r, members in enumerate(assignment):
+        off = 0
+        for i in members:
+            p, n = len(samples[i].prompt), len(samples[i].prompt) + len(samples[i].response)
+            out[i] = np.asarray(rows[r, off + p - 1:off + n - 1])
             off += n
     return out

@@ -42,12 +42,20 @@ def initialize(d: DistributedSection, local_cpu_devices: int) -> None:
 
 
 def global_sum(x) -> np.ndarray:
-    """Sum of a small host array over all processes (identical result on every process)."""
+    """Sum of a small host array over all processes (identical result on every process), in float64.
+
+    Values cross processes as JAX arrays, float32 with x64 off: each is sent as two float32 parts, hi =
+    f32(x) and lo = f32(x − hi), so the sum keeps ~48 bits (a float64 sum of float64 sums, to ~1e-14
+    relative) instead of float32's 24 (the PPO advantages' whitening sums need it: N processes then
+    whiten as one does)."""
     x = np.asarray(x, np.float64)
     if jax.process_count() == 1:
         return x
     from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x)).sum(axis=0)
+    hi = x.astype(np.float32)
+    lo = (x - hi.astype(np.float64)).astype(np.float32)
+    parts = np.asarray(multihost_utils.process_allgather(np.stack([hi, lo])), np.float64)
+    return parts.sum(axis=(0, 1))
 
 
 def global_max(x: int) -> int:
@@ -78,3 +86,27 @@ def gather_ragged(x) -> np.ndarray:
     padded[:len(x)] = x
     every = allgather(padded)
     return np.concatenate([every[p, :k] for p, k in enumerate(n)])
+
+
+def local_rows(x: jax.Array, sharding) -> np.ndarray:
+    """This process's rows of a global array whose rows were assembled from process-local pieces under
+    `sharding` (`jax.make_array_from_process_local_data`, rows sharded over the data axes), in order.
+
+    A computed array's own sharding may differ (XLA may return it replicated, or split another way), and
+    its addressable rows are then not this process's: it is first laid out on `sharding` (a no-op when it
+    already is), then read from this process's shards, replicas over the other mesh axes counted once."""
+    if x.sharding != sharding:
+        x = _relayout(sharding)(x)
+    pieces = {}
+    for s in x.addressable_shards:
+        pieces.setdefault(s.index[0].start or 0, s.data)
+    return np.concatenate([np.asarray(pieces[k]) for k in sorted(pieces)])
+
+
+_RELAYOUTS: dict = {}
+
+
+def _relayout(sharding):
+    if sharding not in _RELAYOUTS:
+        _RELAYOUTS[sharding] = jax.jit(lambda a: a, out_shardings=sharding)
+    return _RELAYOUTS[sharding]

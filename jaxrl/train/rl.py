@@ -16,6 +16,7 @@ carry the first failure's cause, and `RewardFailureGuard` stops the run after
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 
@@ -240,17 +241,46 @@ class RewardFailureGuard:
                                               "function or raise rewards.max_failed_steps", 1000))
 
 
-def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int]) -> list[np.ndarray]:
+def token_width(cfg: TrainConfig, resp_lens: list[int]) -> int:
+    """The padded response width of per-token host arrays: a fixed width, one compile of each estimator."""
+    return max(cfg.rollout.max_new_tokens, *resp_lens, 1)
+
+
+def padded(per_sample: list[np.ndarray], width: int) -> np.ndarray:
+    """Per-sample response arrays as one float32 [B, width] array, zero-padded."""
+    out = np.zeros((len(per_sample), width), np.float32)
+    for i, x in enumerate(per_sample):
+        out[i, :len(x)] = x
+    return out
+
+
+_JITTED: dict = {}
+
+
+def jitted(fn, **static):
+    """`fn` with its `static` keyword arguments bound, jitted once per (fn, static). The scan-based
+    estimators need it: an eager `lax.scan` builds its body anew on every call and so compiles every step."""
+    key = (fn, tuple(sorted(static.items())))
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(functools.partial(fn, **static))
+    return _JITTED[key]
+
+
+def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int], kl: list[np.ndarray] | None = None
+               ) -> list[np.ndarray]:
     """Per-token advantages for each sample's response (via the `jaxrl.algos` registry).
 
     Group estimators see the process-local groups (groups never straddle processes). reinforce_pp's
-    batch normalisation is over the process-local batch (a stated simplification for multi-process).
+    batch normalisation is over the process-local batch (a stated simplification for multi-process);
+    `kl` (algo.kl_in_reward: each sample's per-token KL to the reference) enters its token rewards as
+    −kl_coef·KL. (algo.advantage=gae: `jaxrl.train.critic.gae`.)
     """
     a, G = cfg.algo, cfg.algo.group_size
-    T = max(cfg.rollout.max_new_tokens, *resp_lens, 1)       # a fixed width: one compile of the estimator
+    T = token_width(cfg, resp_lens)
     mask = (np.arange(T)[None, :] < np.asarray(resp_lens)[:, None]).astype(np.float32)
     if a.advantage == "reinforce_pp":
-        adv = algos.compute_advantages("reinforce_pp", rewards=rewards, mask=mask, gamma=a.gamma)
+        est = jitted(algos.compute_advantages, name="reinforce_pp", gamma=a.gamma, kl_coef=a.kl_coef if kl else 0.0)
+        adv = est(rewards=rewards, mask=mask, kl=None if kl is None else padded(kl, T))
     else:
         adv = algos.compute_advantages(a.advantage, rewards=rewards.reshape(-1, G), mask=mask)
     adv = np.asarray(adv)
@@ -308,20 +338,23 @@ def micro_batch_rows(cfg: TrainConfig, mesh, pack_len: int) -> int:
 
 
 def micro_batches(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int,
-                  rows: int, mini_batches: int = 1, *, with_rows: bool = False, behaviour: bool = False):
+                  rows: int, mini_batches: int = 1, *, with_rows: bool = False, behaviour: bool = False,
+                  token_fields: dict[str, list] | None = None):
     """Pack local samples and cut them into micro-batches of exactly `rows` global rows x `pack_len`
     (every process contributes rows / process_count of each, its own; the last ones padded with
     zero-weight rows). The count is agreed across processes and is a multiple of `mini_batches`. Weights
     have the denominator folded in, as in `global_batch`: update with denominator 1.0. `with_rows`: also
     return the packing, local row r -> the sample indices in it, in order (micro-batch r // (rows /
     process_count), its row r % that). `behaviour`: also pack the samples' rollout log-probs as
-    "old_logp" (one-step-async's behaviour policy)."""
+    "old_logp" (one-step-async's behaviour policy). `token_fields`: more per-response-token fields to pack
+    (`batch.pack`)."""
     weights, _ = batch_weights(samples, cfg, max_new_tokens, fold=True)
     local = rows // jax.process_count()
     assignment = pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
     n = global_max(-(-len(assignment) // local))
     n = -(-max(n, 1) // mini_batches) * mini_batches
-    packed = pack(samples, weights, pack_len, n_rows=n * local, rows=assignment, behaviour=behaviour)
+    packed = pack(samples, weights, pack_len, n_rows=n * local, rows=assignment, behaviour=behaviour,
+                  token_fields=token_fields)
     sharding = NamedSharding(mesh, P(("dp", "fsdp"), None))
     mbs = [{k: jax.make_array_from_process_local_data(sharding, v[i * local:(i + 1) * local], (rows, pack_len))
             for k, v in packed.items()} for i in range(n)]

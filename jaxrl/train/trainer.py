@@ -51,6 +51,7 @@ from jaxrl.flow import Flow, GraphError, SampleBuffer, StepData
 from . import rl
 from .batch import FIELDS, INT_FIELDS, Sample
 from .blockwise import BlockwiseUpdater
+from .critic import Critic
 from .rollout_kv import KVStager
 from .rounds import tail_round
 from jaxrl.rollout.shapes import fine_bucket
@@ -123,6 +124,10 @@ class Trainer:
         temperature = cfg.rollout.temperature or 1.0
         a = cfg.algo
         self.spec = a.build(temperature=temperature, trainer=cfg.trainer)
+        self.critic = None        # PPO's value model (algo.advantage=gae); its weights are made when RL starts
+        if a.advantage == "gae":
+            self.critic = Critic(self.model_cfg, cfg.critic, cfg.trainer, self.mesh, self.shardings,
+                                 cfg.steps * a.mini_batches)
         # Fused grad_step scan + apply_update; rl.global_batch folds the denominator into the weights,
         # so every update passes denominator 1.0 (bitwise the pre-split update).
         e = cfg.engine
@@ -230,6 +235,8 @@ class Trainer:
         state = {"params": self.params, "opt_state": self.opt_state}
         if self.ref_params is not None:
             state["ref_params"] = self.ref_params
+        if self.critic is not None and self.critic.params is not None:
+            state["critic"] = self.critic.state()
         return state
 
     def _save(self):
@@ -250,14 +257,20 @@ class Trainer:
             return False
         if self.cfg.algo.kl_coef:
             self.ref_params = self.params
+        if self.critic is not None:       # shapes and shardings of the restore target
+            self.critic.init(self.params)
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._state())
         got = self.ckpt.restore(target=target)
         if got is None:          # every checkpoint was unusable (moved aside, logged): start fresh
             self.ref_params = None
+            if self.critic is not None:
+                self.critic.params = self.critic.opt_state = None
             return False
         step, state, meta = got
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.ref_params = state.get("ref_params")
+        if self.critic is not None:
+            self.critic.load(state["critic"])
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
         if self.tail:
@@ -458,6 +471,8 @@ class Trainer:
                 extra["kv"] = self.stager.abstract(self.mb_rows, row_len)
             n += self.updater.warm(self.params, self.opt_state, mb,
                                    logp_params=[self.ref_params] if self.ref_params is not None else [], **extra)
+            if self.critic is not None:      # PPO: the value pass and the critic's update
+                n += self.critic.warm(mb)
             if self.stream:      # the freed devices' gradient / reference executables
                 n += self.stream.warm(self.params, self.opt_state, self.ref_params, svc=self.svc)
             if self.gstream:     # the final sum's add program (plain jitted: counted by the compile counter)
@@ -491,6 +506,8 @@ class Trainer:
                 # The reference policy: the weights RL starts from (after the warm start). A copy, because
                 # the train step donates (and so deletes) the live params.
                 self.ref_params = jax.tree.map(jnp.copy, self.params)
+            if self.critic is not None and self.critic.params is None:    # PPO: the critic starts from the policy
+                self.critic.init(self.params)
             if not self.resumed and self.step == 0:
                 self._save()
             self.warm_up()
