@@ -137,7 +137,8 @@ def switch_costs(engine, model_cfg, weights, prompts, lens, frac: float, target:
         kv_s = rep.kv.seconds + (time.perf_counter() - t1) - compile_s
         out[name] = {"seconds": total, "weights_s": rep.weight_seconds, "kv_s": kv_s, "compile_s": compile_s,
                      "control_s": total - rep.weight_seconds - kv_s - compile_s, "live": live,
-                     "kv_bytes": rep.kv.kv_bytes, "weight_bytes": rep.weight_bytes}
+                     "kv_bytes": rep.kv.kv_bytes, "weight_bytes": rep.weight_bytes,
+                     "weight_bytes_contiguous": rep.weight_bytes_contiguous}
         for r in svc.live():
             svc.abort(r)
         del svc

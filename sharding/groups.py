@@ -33,17 +33,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .layout import MESH_AXES, Layout
+from .reuse import nested_order
 
 
 def mirror_mesh(tp: int, devices: Sequence | None = None) -> Mesh:
-    """All (or the given) devices of all processes as rows of `tp` contiguous devices of one process each."""
+    """All (or the given) devices of all processes as rows of `tp` contiguous devices of one process each, each
+    row in `reuse.nested_order` (the order `reuse.tp_groups` gives rollout instances)."""
     devices = list(jax.devices() if devices is None else devices)
     rows = []
     for p in sorted({d.process_index for d in devices}):
         devs = sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
         if len(devs) % tp:
             raise ValueError(f"process {p} has {len(devs)} devices, not a multiple of tp={tp}")
-        rows += [devs[i:i + tp] for i in range(0, len(devs), tp)]
+        rows += [nested_order(devs[i:i + tp]) for i in range(0, len(devs), tp)]
     grid = np.empty((len(rows), 1, tp), dtype=object)
     for r, row in enumerate(rows):
         for t, d in enumerate(row):
@@ -65,6 +67,10 @@ def to_local_groups(tree: Any, specs: Any, groups: Sequence[Sequence], tp: int) 
     if source != set(jax.devices()):
         return _via_source_rows(leaves, treedef, spec_leaves, meshes, tp, source)
     mirror = mirror_mesh(tp)
+    rows = {tuple(r) for r in mirror.devices.reshape(-1, tp).tolist()}
+    if any(tuple(g) not in rows for g in groups):
+        raise ValueError(f"groups {[[d.id for d in g] for g in groups]} are not rows of the mirror mesh "
+                         "(contiguous blocks of tp devices in reuse.tp_groups order)")
     out: list[list] = [[] for _ in groups]
     for x, spec in zip(leaves, spec_leaves):
         m = jax.device_put(x, NamedSharding(mirror, spec))

@@ -11,15 +11,21 @@ drops the KV: the sequence re-prefills prompt + generated tokens. Source pages a
   1. pause; detach every live sequence, keeping its pages;
   2. stage the moved KV: each old pool's live pages gathered into compact [layers, n, ...] arrays on the
      old devices (this is the only copy of KV that exists twice);
-  3. free the old pools, then every redundant weight copy (instances 1.. hold the same weights as 0);
-  4. reshard the weights layer by layer from the remaining rollout copy into each new instance, the last
-     copy consuming (donating) the source leaf by leaf;
+  3. free the old pools;
+  4. the weights. Mid-generation (no new `weights`): every new copy is cut from the old copies
+     (`sharding.reshard_reusing`), leaf by leaf, each device slicing the shard it already holds where that
+     contains its new one (with `plan_layout`'s nested device order, any merge to a larger power-of-two TP:
+     no weight byte crosses a link), each old leaf freed once every new copy has it. Otherwise (a weight
+     sync riding the relayout, or vocabularies padded differently) the redundant old copies are freed
+     first and the remaining one (or the given weights) is resharded layer by layer into each new
+     instance, the last copy consuming (donating) the source leaf by leaf;
   5. build the new instances (pools sized by the memory budget of their layout) and attach the states,
      groups to the least-loaded new instance, their staged pages moved layer by layer; free the staging.
 So live device memory never exceeds max(before, after) by more than the moved KV plus the transient of
 the leaf being moved (one layer of a stacked leaf plus, in the last copy, the rest of the source leaf
-until it is freed: bounded by the new pools whenever they are at least one leaf, as budget-sized pools
-are). A weight array sharing a buffer with an array the caller passed in (a device_put to an equivalent
+until it is freed; or, reusing, one leaf's new copies: bounded by the new pools whenever they are at
+least one leaf, as budget-sized pools are). `RelayoutReport.weight_bytes` is what crossed links;
+`weight_bytes_contiguous` what the same switch would have moved with contiguous device groups. A weight array sharing a buffer with an array the caller passed in (a device_put to an equivalent
 sharding aliases it) is never freed here.
 Executables come from the process-wide cache, so switching back to a layout used before compiles nothing.
 """
@@ -33,7 +39,7 @@ from collections.abc import Callable
 
 import jax
 
-from sharding import Layout
+from sharding import Layout, padded_vocab_for, reshard_reusing, tree_reuse_bytes
 
 from .kv_store import KVStore, move_bytes, move_pages
 from .scheduler import SequenceState
@@ -56,6 +62,7 @@ class RelayoutReport:
     sequences: int
     kv: MoveReport
     weight_bytes: int           # bytes the new instances' devices received (`ReshardReport.bytes_moved`)
+    weight_bytes_contiguous: int = 0   # the same switch with contiguous device groups (no nested order)
     compiles: int = 0           # executables compiled by the switch itself (0: none; steps compile lazily)
     seconds: float = 0.0
     weight_seconds: float = 0.0  # of which the layer-wise weight reshard (to the new instances' meshes)
@@ -139,6 +146,53 @@ def _delete(tree, keep: set[int]):
             x.delete()
 
 
+def _reusable(svc, old, meshes) -> bool:
+    """Whether the old copies can serve the new instances by slices (same padded vocabulary everywhere)."""
+    rows = {padded_vocab_for(svc.cfg, Layout(tp=i.tp)) for i in old}
+    rows |= {padded_vocab_for(svc.cfg, Layout(tp=m.shape["tp"])) for m in meshes}
+    return len(rows) == 1
+
+
+def _contiguous_bytes(svc, abstract, old_meshes, new_meshes) -> int:
+    """What the reusing reshard would move if every group kept its devices in pool order (no nested order)."""
+    def plain(mesh):
+        devs = sorted(mesh.devices.flat, key=svc.devices.index)
+        return svc.weight_shardings(Layout(tp=len(devs)).make_mesh(devs))
+
+    sources = [plain(m) for m in old_meshes]
+    return sum(tree_reuse_bytes(abstract, sources, plain(m)) for m in new_meshes)
+
+
+def _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe):
+    """Steps 3-5 from one source copy: free the redundant old copies, reshard the remaining one (or the
+    caller's `weights`) layer by layer into each new instance, the last copy consuming the source."""
+    if weights is None:
+        src_w, external, stale = old[0].weights, old[0].external, old[1:]
+    else:
+        src_w, external, stale = weights, buffers(weights), old
+    src_buf = buffers(src_w)
+    for inst in stale:
+        _delete(inst.weights, src_buf | inst.external | external)
+    probe()
+    new, weight_bytes, held, weight_s = [], 0, set(), 0.0
+    for j, mesh in enumerate(meshes):                           # 4. weights, 5. instances
+        keep = external | held                                   # buffers someone else still needs
+        last = j == len(meshes) - 1
+        t_w = time.perf_counter()
+        w, r = svc.place(src_w, mesh, progress=probe, donate=(lambda x: not buffers(x) & keep) if last else False)
+        jax.block_until_ready(w)
+        weight_s += time.perf_counter() - t_w
+        mine = buffers(w)
+        held |= mine
+        weight_bytes += r.bytes_moved
+        inst = svc.build_instance(j, mesh, w, max_batch=max_batch, num_pages=num_pages)
+        inst.external = mine & external
+        new.append(inst)
+        probe()
+    _delete(src_w, external | held)
+    return new, weight_bytes, weight_s
+
+
 def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int | None,
              probe: Callable[[], None] | None = None, weights=None):
     """Rebuild `svc`'s instances on the device `groups` (see module docstring). Returns (instances, report).
@@ -157,35 +211,30 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
                 sources[inst.index] = PoolSource(inst.kv.take(pages), lambda _: None,
                                                  {p: r for r, p in enumerate(pages)})
                 probe()
-    for inst in old:                                            # 3. free old pools and redundant weights
+    for inst in old:                                            # 3. free old pools
         inst.kv.delete()
     probe()
-    if weights is None:
-        src_w, external, stale = old[0].weights, old[0].external, old[1:]
+    meshes = [Layout(tp=len(devs)).make_mesh(devs) for devs in groups]
+    t_w = time.perf_counter()
+    contiguous = None
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), old[0].weights)
+    if weights is None and _reusable(svc, old, meshes):
+        # 4. every new copy from local slices of the old copies (sharding.reuse), each old leaf freed once
+        # every new instance has it
+        external = set().union(*(inst.external for inst in old))
+        ws, r = reshard_reusing([inst.weights for inst in old], [svc.weight_shardings(m) for m in meshes],
+                                consumed=lambda x: not buffers(x) & external, progress=probe)
+        weight_bytes, weight_s = r.bytes_moved, time.perf_counter() - t_w
+        contiguous = _contiguous_bytes(svc, abstract, [inst.mesh for inst in old], meshes)
+        new = []
+        for j, (mesh, w) in enumerate(zip(meshes, ws)):          # 5. instances
+            new.append(svc.build_instance(j, mesh, w, max_batch=max_batch, num_pages=num_pages))
+            new[-1].external = buffers(w) & external
+            probe()
+        for inst in old:
+            _delete(inst.weights, external | set().union(*(buffers(w) for w in ws)))
     else:
-        src_w, external, stale = weights, buffers(weights), old
-    src_buf = buffers(src_w)
-    for inst in stale:
-        _delete(inst.weights, src_buf | inst.external | external)
-    probe()
-    new, weight_bytes, held = [], 0, set()
-    weight_s = 0.0
-    for j, devs in enumerate(groups):                           # 4. weights, 5. instances
-        mesh = Layout(tp=len(devs)).make_mesh(devs)
-        keep = external | held                                   # buffers someone else still needs
-        last = j == len(groups) - 1
-        t_w = time.perf_counter()
-        w, r = svc.place(src_w, mesh, progress=probe, donate=(lambda x: not buffers(x) & keep) if last else False)
-        jax.block_until_ready(w)
-        weight_s += time.perf_counter() - t_w
-        mine = buffers(w)
-        held |= mine
-        weight_bytes += r.bytes_moved
-        inst = svc.build_instance(j, mesh, w, max_batch=max_batch, num_pages=num_pages)
-        inst.external = mine & external
-        new.append(inst)
-        probe()
-    _delete(src_w, external | held)
+        new, weight_bytes, weight_s = _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe)
     probe()
     load = [0] * len(new)                                       # groups to the least-loaded new instance
     assigned: list[list[SequenceState]] = [[] for _ in new]
@@ -206,5 +255,6 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
             x.delete()
     probe()
     report = RelayoutReport([i.tp for i in old], [i.tp for i in new], len(everything), rep, weight_bytes,
+                            weight_bytes if contiguous is None else contiguous,
                             compiles=new[0].executor.cache.compiles - compiles0, weight_seconds=weight_s)
     return new, report

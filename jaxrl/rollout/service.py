@@ -37,7 +37,7 @@ import jax
 
 from jaxrl.runtime import enable_compilation_cache
 from models import ModelConfig, Weights, fit_vocab, logical_axes, vocab_rows
-from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups
+from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups, tp_groups
 
 from . import migration
 from .instance import Completion, Instance
@@ -52,7 +52,8 @@ KV_MODES = ("migrate", "recompute")
 
 def plan_layout(tp: int | Seq[int], instances: int | None, devices: list) -> list[list]:
     """Device groups of the instances: `tp` x `instances` (uniform) or one group per entry of a tp list,
-    contiguous from the start of `devices`."""
+    contiguous blocks from the start of `devices`, each in `sharding.nested_order` (so that a merge to a
+    larger TP finds every device's new shard inside the one it holds: `sharding.reuse`)."""
     tps = [int(tp)] * (instances or 1) if isinstance(tp, int) else [int(t) for t in tp]
     if isinstance(tp, int) is False and instances not in (None, len(tps)):
         raise ValueError(f"tp={list(tps)} lists {len(tps)} instances but instances={instances}")
@@ -60,8 +61,7 @@ def plan_layout(tp: int | Seq[int], instances: int | None, devices: list) -> lis
         raise ValueError(f"tp={tp!r}: need at least one instance of tp >= 1")
     if sum(tps) > len(devices):
         raise ValueError(f"instances of tp {tps} need {sum(tps)} devices, have {len(devices)}")
-    starts = list(itertools.accumulate([0] + tps))
-    return [devices[a:b] for a, b in zip(starts, starts[1:])]
+    return tp_groups(devices, tps)
 
 
 class RolloutService:

@@ -13,8 +13,10 @@ layout with the chosen state handling (`migrate` moves the KV, `recompute` re-pr
 switches per generation are allowed, in both directions. Waiting sequences count with their context as
 well: they will decode under whichever layout runs.
 
-Each decision's `actual` is filled in: `switch_s` (the relayout's measured seconds, with `kv_s` and
-`weight_bytes`), and, for every decision, `remaining_s`: the wall time from the decision to the end of
+Each decision's `actual` is filled in: `switch_s` (the relayout's measured seconds, with `kv_s`,
+`weight_bytes` — what crossed links with the nested device order, `sharding.reuse` — and
+`weight_bytes_contiguous`, what contiguous device groups would have moved), and, for every decision,
+`remaining_s`: the wall time from the decision to the end of
 that generation (the moment the service next runs out of work), to set against `current_s` / the chosen
 candidate's `remaining_s`. `warm(tp)` is true for a layout this process has already run (its executables
 are in the process-wide cache), so its compile cost counts as 0.
@@ -74,6 +76,7 @@ class AdaptiveTP:
             report = svc.relayout(d.tp, self.controller.devices // d.tp, kv=d.kv)
             self.seen.add(d.tp)
             d.actual.update(switch_s=report.seconds, kv_s=report.kv.seconds, weight_bytes=report.weight_bytes,
+                            weight_bytes_contiguous=report.weight_bytes_contiguous,
                             kv_bytes=report.kv.kv_bytes, moved=report.sequences, compiles=report.compiles)
             log.info("PAT: TP %d -> %d at decode step %d (%d live, %d context tokens; predicted %.3f s -> %.3f s "
                      "+ %.3f s switch, kv %s; switched in %.3f s)", d.current, d.tp, d.step, d.batch, d.tokens,
