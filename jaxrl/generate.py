@@ -7,7 +7,8 @@ it are done, so a long run's output grows while it runs. Lines go to `OUTPUT.par
 truncated is ever left. Prompt i samples with its own seed, `prompt_seed(sampling.seed, i)`: two equal
 prompts get different samples, and a prompt's samples do not depend on the other lines of the file.
 Bad input lines and prompts longer than `engine.max_seq_len` allows stop the run before any
-compilation, naming the line; paths in messages are absolute.
+compilation, naming the line; paths in messages are absolute. With `engine.adaptive_tp.enabled=true` (PAT)
+the layout may switch mid-generation; the decisions go to `OUTPUT.pat_decisions.jsonl`.
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         raise
     print(f"wrote {len(order)} completions to {out}", file=sys.stderr)
+    if svc.adaptive is not None:            # PAT (engine.adaptive_tp): its decisions beside the output
+        pat = out.with_name(out.name + ".pat_decisions.jsonl")
+        pat.write_text("".join(json.dumps(r) + "\n" for r in svc.adaptive.records()))
+        m = svc.adaptive.metrics()
+        print(f"PAT: {m['pat/decisions']} decisions, {m['pat/switches']} switches ({m['pat/switch_s']:.2f} s), "
+              f"largest TP {m['pat/max_tp']}; records in {pat}", file=sys.stderr)
     return 0
 
 

@@ -7,8 +7,10 @@
 1. Profile (`jaxrl.rollout.profile.run_profile`) the pool of 8 devices: TP 1, 2, 4, 8 on dummy batches.
 2. Predictor accuracy: per layout, a real long-tail generation on one TP group (requests with log-normal
    lengths, so the batch shrinks while contexts grow); each of its first `--max-steps` decode steps'
-   measured time against ℓ(B, T; tp) from the profile. `predictor_mape[tp]` = mean |predicted − measured|
-   / measured.
+   measured time (the median of `--repeats` runs of the same greedy generation) against ℓ(B, T; tp) from
+   the profile, which maps the batch to the padded shape the XLA engine runs (rows bucket, page-table
+   width of the longest sequence: `adaptive_tp.Padded`). `predictor_mape[tp]` = mean |predicted −
+   measured| / measured.
 3. Switch cost, late in a long-tail generation (TP2x4 -> TP4x2 after 80% of the requests finished; TP8x1 with
    `--target-tp 8` on a machine where it runs: on this 2-core CPU, compiling and running the 58M model's
    large TP8 shapes leaves XLA:CPU's 8 collective threads waiting past its 40 s rendezvous timeout and the
@@ -61,8 +63,8 @@ def requests(n: int, seed: int, vocab: int, median: float, max_new: int):
     return prompts, lens.tolist()
 
 
-def trajectory(svc, prompts, lens, max_steps: int) -> list[tuple[int, int, float]]:
-    """(batch, context tokens, seconds) of the first `max_steps` decode steps of instance 0 once all requests
+def trajectory(svc, prompts, lens, max_steps: int) -> list[tuple[int, int, float, int]]:
+    """(batch, context tokens, seconds, longest context) of the first `max_steps` decode steps of instance 0 once all requests
     are prefilled (the batch shrinks as the short requests finish); the rest is aborted."""
     from jaxrl.rollout import SamplingParams
 
@@ -73,21 +75,52 @@ def trajectory(svc, prompts, lens, max_steps: int) -> list[tuple[int, int, float
     out = []
     while svc.has_work() and len(out) < max_steps:
         st = svc.sequence_stats()
-        b, t = len(st), sum(s["context_len"] for s in st)
+        b, t, longest = len(st), sum(s["context_len"] for s in st), max(s["context_len"] for s in st)
         t0 = time.perf_counter()
         svc.step()
-        out.append((b, t, time.perf_counter() - t0))
+        out.append((b, t, time.perf_counter() - t0, longest))
     for r in svc.live():
         svc.abort(r)
     return out
 
 
+def predict(pred, rows, tp) -> list[float]:
+    """ℓ for each recorded step (with its longest context when recorded: a padded profile uses it)."""
+    return [float(pred.step_latency(tp, r[0], r[1], r[3] if len(r) > 3 else None)) for r in rows]
+
+
 def mape(pred, rows, tp) -> float:
     if not rows:
         return float("nan")
-    p = np.asarray([float(pred.step_latency(tp, b, t)) for b, t, _ in rows])
-    m = np.asarray([s for *_, s in rows])
+    p = np.asarray(predict(pred, rows, tp))
+    m = np.asarray([r[2] for r in rows])
     return float(np.mean(np.abs(p - m) / m))
+
+
+def repeated(svc, prompts, lens, max_steps: int, repeats: int) -> list[tuple[int, int, float, int]]:
+    """The same greedy trajectory `repeats` times (identical batches and contexts, checked); each step's
+    time is the median over the repeats (timing noise of a shared 2-core host, not a model effect)."""
+    runs = [trajectory(svc, prompts, lens, max_steps) for _ in range(repeats)]
+    shape = [(b, t, lm) for b, t, _, lm in runs[0]]
+    if any([(b, t, lm) for b, t, _, lm in r] != shape for r in runs[1:]):
+        raise RuntimeError("repeated trajectories differ in batch or context: not the same generation")
+    return [(b, t, float(np.median([r[i][2] for r in runs])), lm) for i, (b, t, lm) in enumerate(shape)]
+
+
+def with_shapes(prof, engine, devices: int = 8):
+    """A profile measured before shapes were recorded: the padded decode shapes of each layout's instances
+    are a function of the engine config (as `run_profile` builds the services), so they are filled in."""
+    from jaxrl.rollout.shapes import ShapeBuckets
+
+    total = engine.max_batch * engine.instances
+    for tp, lp in prof.layouts.items():
+        if lp.shapes is None:
+            sh = ShapeBuckets.build(max_batch=max(1, total * tp // devices), max_seq_len=engine.max_seq_len,
+                                    page_size=engine.page_size, prefill_chunk=engine.prefill_chunk,
+                                    prefill_tokens=engine.prefill_tokens, per_octave=engine.batch_buckets_per_octave,
+                                    page_buckets=engine.page_buckets)
+            lp.shapes = {"batch": list(sh.batch), "pages": list(sh.pages), "page_size": sh.page_size}
+    return prof
 
 
 def run_to_late(engine, model_cfg, weights, prompts, lens, frac: float):
@@ -229,6 +262,7 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=None, help="decode steps per profiled point")
     ap.add_argument("--profile", default=None, help="reuse this profile JSON (written by an earlier run)")
     ap.add_argument("--max-steps", type=int, default=None, help="decode steps timed per trajectory")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each trajectory (median per step; 3)")
     ap.add_argument("--target-tp", type=int, default=4, help="the switch's target TP (from TP2x4)")
     ap.add_argument("--trajectories", default=None, help="reuse phase 2 (the *_trajectories.json of a run)")
     args = ap.parse_args(argv)
@@ -237,7 +271,7 @@ def main(argv=None):
     import jax
 
     from jaxrl.config.generate import EngineSection
-    from jaxrl.rollout.adaptive_tp import Predictor
+    from jaxrl.rollout.adaptive_tp import Predictor, Profile
     from jaxrl.rollout.profile import run_profile
     from models import init
 
@@ -251,8 +285,7 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.profile:
-        from jaxrl.rollout.adaptive_tp import Profile
-        prof = Profile.load(args.profile)
+        prof = with_shapes(Profile.load(args.profile), engine)
     else:
         prof = run_profile(cfg, weights, engine, candidates=[1, 2, 4, 8], batches=3 if q else 6,
                            contexts=[16, 48] if q else [16, 96, 192, 384], decode_steps=steps)
@@ -260,24 +293,30 @@ def main(argv=None):
     profile_s = time.perf_counter() - t0
     pred = Predictor(prof)
     total_batch = engine.max_batch * engine.instances
-    trajectories, predicted, errors = {}, {}, {}
+    trajectories, predicted, errors, errors_sum = {}, {}, {}, {}
+    paper = Predictor(Profile.from_json({**prof.to_json(), "layouts": {
+        k: {**v, "shapes": None} for k, v in prof.to_json()["layouts"].items()}}))   # the paper's T = Σ context
     if args.trajectories:          # an earlier run's phase 2 (predictions recomputed from this profile)
         got = json.loads(Path(args.trajectories).read_text())
         trajectories = {int(k): v for k, v in got["trajectories"].items()}
-        predicted = {tp: [float(pred.step_latency(tp, b, t)) for b, t, _ in rows] for tp, rows in trajectories.items()}
+        predicted = {tp: predict(pred, rows, tp) for tp, rows in trajectories.items()}
         errors = {tp: mape(pred, rows, tp) for tp, rows in trajectories.items()}
+        errors_sum = {tp: mape(paper, rows, tp) for tp, rows in trajectories.items()}
     for tp in [t for t in (1, 2, 4, 8) if t not in trajectories]:
         svc = dataclasses.replace(engine, tp=tp, instances=8 // tp, max_batch=total_batch * tp // 8).build(cfg, weights)
-        svc.instances[0].warm()                # the trajectory runs on the first TP group
+        if not q:
+            svc.instances[0].warm()            # the trajectory runs on the first TP group (--quick: lazily)
         # at most 32 requests: a TP8 step of 64 long prompts starves XLA:CPU's 8 collective threads on 2 cores
         # past its 40 s rendezvous timeout (the process aborts)
         n_req = min(total_batch * tp // 8, 32)
         prompts, lens = requests(n_req, tp, cfg.vocab_size, 8 if q else 40, 40 if q else 300)
-        rows = trajectory(svc, prompts, lens, args.max_steps or (40 if q else 60))
+        rows = repeated(svc, prompts, lens, args.max_steps or (12 if q else 60), args.repeats or (1 if q else 3))
         trajectories[tp] = [list(r) for r in rows]
-        predicted[tp] = [float(pred.step_latency(tp, b, t)) for b, t, _ in rows]
+        predicted[tp] = predict(pred, rows, tp)
         errors[tp] = mape(pred, rows, tp)
-        print(f"TP {tp}: {len(rows)} decode steps, MAPE {errors[tp]:.1%}", flush=True)
+        errors_sum[tp] = mape(paper, rows, tp)
+        print(f"TP {tp}: {len(rows)} decode steps, MAPE {errors[tp]:.1%} (T = sum of contexts: {errors_sum[tp]:.1%})",
+              flush=True)
         del svc
         free_executables()
     partial = path.with_name(path.stem + "_trajectories.json")
@@ -288,6 +327,7 @@ def main(argv=None):
            "switch_from_to": [2, args.target_tp],
            "profile_points": {tp: len(lp.decode) for tp, lp in prof.layouts.items()},
            "decode_steps_per_point": steps, "predictor_mape": {str(k): v for k, v in errors.items()},
+           "predictor_mape_sum": {str(k): v for k, v in errors_sum.items()},
            "switch_speedup": sw.pop("switch_speedup"), "switch": sw,
            "switch_breakdown": {k: {p: v[p] for p in ("weights_s", "kv_s", "compile_s", "control_s")}
                                 for k, v in sw.items()},

@@ -64,17 +64,52 @@ def simulate_group(pred, tp, contexts, remaining):
     ctx, rem, total = list(contexts), list(remaining), 0.0
     while any(r > 0 for r in rem):
         live = [i for i, r in enumerate(rem) if r > 0]
-        total += float(pred.step_latency(tp, len(live), sum(ctx[i] for i in live)))
+        total += float(pred.step_latency(tp, len(live), sum(ctx[i] for i in live), max(ctx[i] for i in live)))
         for i in live:
             ctx[i] += 1
             rem[i] -= 1
     return total
 
 
+SHAPES = {"batch": [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64], "pages": [16, 32, 64], "page_size": 16}
+
+
+def padded(seed=0) -> Profile:
+    """`synthetic` with the XLA engine's padded decode shapes recorded (rows ladder, page-table widths)."""
+    prof = synthetic(seed)
+    for lp in prof.layouts.values():
+        lp.shapes = SHAPES
+    return prof
+
+
+def test_padded_profile_predicts_the_shape_the_engine_runs():
+    """With shapes, ℓ is a function of (rows bucket, page width of the longest sequence): exact at every
+    profiled shape (the mean of the points that ran it), blind to the other rows' lengths, and stepping
+    where the longest sequence needs a wider table."""
+    prof = padded()
+    pred = Predictor(prof)
+    pad = pred.padded[2]
+    runs = {}
+    for b, n, s in prof.layouts[2].decode:
+        runs.setdefault((int(pad.rows(b)), int(pad.width(n))), []).append(s)
+    for b, n, s in prof.layouts[2].decode:
+        want = np.mean(runs[int(pad.rows(b)), int(pad.width(n))])
+        assert pred.step_latency(2, b, b * n) == pytest.approx(want, rel=1e-12)
+    # widths: the page of the next position, rounded up to the ladder (16-token pages, widths 16/32/64 pages)
+    assert [int(pad.width(n)) for n in (1, 255, 256, 300, 511, 512, 5000)] == [256, 256, 512, 512, 512, 1024, 1024]
+    assert [int(pad.rows(b)) for b in (1, 3, 5, 7, 13, 64, 99)] == [1, 4, 6, 8, 16, 64, 64]
+    # the rows' other lengths do not matter; the longest does
+    assert pred.step_latency(2, 4, 4 * 100, 300) == pred.step_latency(2, 4, 4 * 300, 300)
+    assert pred.step_latency(2, 4, 4 * 100, 600) != pred.step_latency(2, 4, 4 * 100, 300)
+    back = Profile.from_json(prof.to_json())
+    assert back.layouts[2].shapes == SHAPES
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_remaining_time_equals_step_by_step(seed):
+@pytest.mark.parametrize("kind", ["sum", "padded"])
+def test_remaining_time_equals_step_by_step(seed, kind):
     rng = np.random.default_rng(seed)
-    pred = Predictor(synthetic(seed))
+    pred = Predictor(synthetic(seed) if kind == "sum" else padded(seed))
     n = int(rng.integers(1, 30))
     ctx, rem = rng.integers(5, 900, n).tolist(), rng.integers(0, 80, n).tolist()
     for tp in (1, 8):

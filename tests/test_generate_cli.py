@@ -83,3 +83,24 @@ def test_service_refuses_a_request_longer_than_max_seq_len():
     with pytest.raises(ValueError, match=r"prompt 30 \+ max_new_tokens 8 = 38 tokens > engine.max_seq_len=32"):
         svc.add(list(range(1, 31)), SamplingParams(max_new_tokens=8))
     assert svc.add(list(range(1, 25)), SamplingParams(max_new_tokens=8))
+
+
+def test_cli_with_adaptive_tp_switches_and_keeps_the_tokens(tmp_path):
+    """`python -m jaxrl.generate` with engine.adaptive_tp on a profile that forces tp1x8 -> tp4x2: the same
+    completions as the static layout, and the decisions written beside the output."""
+    from tests.test_tp_switch import forcing_profile
+
+    prof = forcing_profile("large")
+    prof.key["devices"] = 8
+    prof.save(tmp_path / "prof.json")
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("copy abc", "rev hello", "sum 3 4", "xyz")))
+    args = [f"input={inp}", "sampling.max_new_tokens=24", "sampling.n=2", "engine.max_seq_len=64",
+            "engine.tp=1", "engine.instances=8", "engine.max_batch=4"]
+    assert main(args + [f"output={tmp_path / 'static.jsonl'}"]) == 0
+    out = tmp_path / "pat.jsonl"
+    assert main(args + [f"output={out}", "engine.adaptive_tp.enabled=true", "engine.adaptive_tp.candidates=[1, 4]",
+                        f"engine.adaptive_tp.profile={tmp_path / 'prof.json'}", "engine.adaptive_tp.check_every=4"]) == 0
+    assert [r["tokens"] for r in _lines(out)] == [r["tokens"] for r in _lines(tmp_path / "static.jsonl")]
+    recs = _lines(tmp_path / "pat.jsonl.pat_decisions.jsonl")
+    assert any(r["switch"] and r["current"] == 1 and r["tp"] == 4 for r in recs)

@@ -40,9 +40,16 @@ def test_profile_cli_measures_caches_and_predicts(tmp_path, capsys):
         # max batch per instance keeps the total (4 x 4): TP 1 -> 4, TP 2 -> 8; 3 batch sizes each
         assert len({b for b, _, _ in lp.decode}) == 3 and len(lp.decode) == len(lp.prefill) == 6
         assert all(s > 0 for *_, s in lp.decode + lp.prefill) and lp.compile_seconds > 0
+        # the XLA engine's padded shapes: the predictor is exact at each shape the profile ran (the mean of
+        # the points that ran it: here one page-table width, 8 pages of 8 tokens)
+        assert lp.shapes["page_size"] == 8 and lp.shapes["pages"] == [8]
+        pad, runs = pred.padded[tp], {}
+        for b, n, s in lp.decode:
+            runs.setdefault((int(pad.rows(b)), int(pad.width(n))), []).append(s)
         for b, n, s in lp.decode:
             assert n in (8 + 1, 24 + 1)              # recorded at the mean context of the timed steps
-            assert pred.step_latency(tp, b, b * n) == pytest.approx(s, rel=1e-12)
+            want = np.mean(runs[int(pad.rows(b)), int(pad.width(n))])
+            assert pred.step_latency(tp, b, b * n) == pytest.approx(want, rel=1e-12)
     assert set(prof.reshard_seconds) == {"1->2", "2->1"}
     assert prof.migrate_bytes_per_s > 0 and prof.control_seconds > 0
     cfg = PRESETS["tiny-qwen3"]

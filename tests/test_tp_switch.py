@@ -89,3 +89,41 @@ def test_train_run_switches_and_returns_home(tmp_path):
     firsts = [next(r for r in recs if r["rl_step"] == s) for s in (0, 1)]
     assert [r["current"] for r in firsts] == [1, 1] and all(r["tp"] == 4 and r["switch"] for r in firsts)
     assert all("remaining_s" in r["actual"] for r in recs)
+
+
+def _decode_keys(tp):
+    """The cached decode executables whose inputs live on a TP-`tp` mesh."""
+    from jaxrl.rollout import CACHE
+
+    def mesh_tp(key):
+        sig = key[3][1]
+        return next(e[2][0].shape["tp"] for e in sig if len(e) == 3 and isinstance(e[2], tuple))
+    return {k for k in list(CACHE._table) if k[0] == "decode" and mesh_tp(k) == tp}
+
+
+def test_background_compile_makes_the_switch_compile_no_decode_step(weights, prompts, static):  # noqa: F811
+    """First sight of TP 4 (a generation whose profile never switches) starts a background compile of its
+    small decode buckets; the next generation switches tp1x8 -> tp4x2 and compiles no decode step (the
+    controller counted its compile cost as 0), with the static layout's tokens."""
+    from jaxrl.rollout import CACHE
+    from jaxrl.rollout.precompile import Precompiler
+
+    CACHE.clear()
+    pre = Precompiler(fraction=0.025)               # 6 live sequences: rows buckets up to 8 of 256
+    svc = RolloutService(CFG, weights, tp=1, instances=8, **SERVICE)
+    svc.adaptive = AdaptiveTP(SwitchController(Predictor(forcing_profile("small")), [1, 4], 8), check_every=3,
+                              precompile=pre)
+    _same(_run(svc, prompts, GREEDY, {}), static["greedy"])
+    assert svc.layout == [1] * 8 and len(pre.threads) == 1           # requested once, at first sight
+    pre.wait()
+    assert pre.compiled > 0 and pre.ready(4, 1)
+    before = _decode_keys(4)
+    assert before
+    prof = forcing_profile("large")
+    prof.layouts[4].compile_seconds = 5.0
+    svc.adaptive = AdaptiveTP(SwitchController(Predictor(prof), [1, 4], 8, kv="migrate"), check_every=3,
+                              precompile=pre)
+    _same(_run(svc, prompts, GREEDY, {}), static["greedy"])
+    d = next(d for d in svc.adaptive.decisions if d.switch)
+    assert d.tp == 4 and next(c for c in d.candidates if c.tp == 4).compile_s == 0.0
+    assert _decode_keys(4) == before                                  # nothing compiled on the switch's path

@@ -21,7 +21,9 @@ class AdaptiveTPSection(Section):
     costs one compile of each layout's step set per instance (executables are per device set): with many
     instances on one CPU host that can exceed the process's memory-mapping limit (LLVM then aborts), so it
     is off by default; a layout is then compiled on its first switch, and until then the controller counts
-    the profiled compile time in that switch's cost."""
+    the profiled compile time in that switch's cost, unless `precompile` (default) compiled that layout's
+    small decode buckets (rows up to `precompile_fraction` of its max batch) in a background thread since the
+    controller first evaluated it (`jaxrl.rollout.precompile`)."""
 
     enabled: bool = False
     profile: str | None = None             # the profile JSON (python -m jaxrl.rollout.profile out=...)
@@ -29,11 +31,15 @@ class AdaptiveTPSection(Section):
     check_every: int = 16                  # decode steps between evaluations
     kv: str = "auto"                       # auto | migrate | recompute
     warm: bool = False                     # train warm-up compiles every candidate layout (no compile at a switch)
+    precompile: bool = True                # compile unseen candidates' small decode buckets in the background
+    precompile_fraction: float = 0.25      # "small": rows up to this fraction of the layout's max batch
 
     def __post_init__(self):
         check_int("check_every", self.check_every, minimum=1)
         check_choice("kv", self.kv, KV_CHOICES)
         check_str("profile", self.profile, allow_none=True)
+        if not 0 < self.precompile_fraction <= 1:
+            raise ConfigError("precompile_fraction", f"{self.precompile_fraction} must be in (0, 1]")
         for t in self.candidates:
             check_int("candidates", t, minimum=1)
         if self.enabled and not self.profile:
@@ -70,4 +76,7 @@ class AdaptiveTPSection(Section):
             ctl = SwitchController(pred, cands, devices, kv=self.kv)
         except ValueError as e:
             raise SystemExit(f"engine.adaptive_tp: {e}") from None
-        return AdaptiveTP(ctl, check_every=self.check_every)
+        from jaxrl.rollout.precompile import Precompiler
+
+        pre = Precompiler(self.precompile_fraction) if self.precompile and not self.warm else None
+        return AdaptiveTP(ctl, check_every=self.check_every, precompile=pre)

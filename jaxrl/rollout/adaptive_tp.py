@@ -58,12 +58,14 @@ PROFILE_VERSION = 1
 class LayoutProfile:
     """Measurements of one layout (TP size, instances = devices / tp), for one TP group:
     `decode` rows (batch, context, seconds per decode step), `prefill` rows (batch, length, seconds),
-    `compile_seconds` (its whole step set, for a layout seen the first time)."""
+    `compile_seconds` (its whole step set, for a layout seen the first time), `shapes`: the padded decode
+    shapes its instances run ({"batch", "pages", "page_size"}: `Padded`), None for a paged kernel."""
 
     tp: int
     decode: list[tuple[int, int, float]]
     prefill: list[tuple[int, int, float]]
     compile_seconds: float = 0.0
+    shapes: dict | None = None
 
 
 @dataclasses.dataclass
@@ -88,7 +90,8 @@ class Profile:
                 "migrate_bytes_per_s": self.migrate_bytes_per_s, "reshard_seconds": self.reshard_seconds,
                 "control_seconds": self.control_seconds,
                 "layouts": {str(tp): {"tp": lp.tp, "decode": [list(r) for r in lp.decode],
-                                      "prefill": [list(r) for r in lp.prefill], "compile_seconds": lp.compile_seconds}
+                                      "prefill": [list(r) for r in lp.prefill], "compile_seconds": lp.compile_seconds,
+                                      "shapes": lp.shapes}
                             for tp, lp in sorted(self.layouts.items())}}
 
     @classmethod
@@ -97,7 +100,7 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')!r}, this code reads {PROFILE_VERSION}: re-profile")
         layouts = {int(k): LayoutProfile(int(v["tp"]), [(int(b), int(n), float(s)) for b, n, s in v["decode"]],
                                          [(int(b), int(n), float(s)) for b, n, s in v["prefill"]],
-                                         float(v.get("compile_seconds", 0.0)))
+                                         float(v.get("compile_seconds", 0.0)), v.get("shapes"))
                    for k, v in d["layouts"].items()}
         return cls(dict(d["key"]), layouts, float(d["migrate_bytes_per_s"]),
                    {str(k): float(v) for k, v in d["reshard_seconds"].items()}, int(d["layers"]),
@@ -167,28 +170,70 @@ class Live:
     rid: int = 0
 
 
+class Padded:
+    """The decode shape an engine runs for a batch: rows rounded up to the `batch` ladder, and each row's
+    context to the page-table width (`pages` ladder × `page_size`) of the longest sequence — what the XLA
+    decode path computes over (`shapes.ShapeBuckets`), whatever the other rows' lengths."""
+
+    def __init__(self, shapes: dict):
+        self.batch = np.asarray(sorted(shapes["batch"]), np.int64)
+        self.pages = np.asarray(sorted(shapes["pages"]), np.int64)
+        self.page_size = int(shapes["page_size"])
+
+    def rows(self, batch) -> np.ndarray:
+        b = np.asarray(batch, np.int64)
+        return self.batch[np.minimum(np.searchsorted(self.batch, b), len(self.batch) - 1)]
+
+    def width(self, longest) -> np.ndarray:
+        """Padded context tokens per row for a longest sequence of `longest` tokens (its next position's page)."""
+        need = (np.asarray(longest, np.int64) + self.page_size) // self.page_size
+        return self.pages[np.minimum(np.searchsorted(self.pages, need), len(self.pages) - 1)] * self.page_size
+
+
 class Predictor:
-    """ℓ(B, T; tp), T_prefill(B, L; tp), remaining time and switch cost from a `Profile`."""
+    """ℓ(B, T; tp), T_prefill(B, L; tp), remaining time and switch cost from a `Profile`.
+
+    **Context measure.** The paper's ℓ is piecewise linear in T = Σ context tokens (a paged-attention kernel
+    reads each sequence's own pages: our Pallas path). The XLA decode path instead computes over the padded
+    shape (`Padded`: rows bucket × the longest row's page-table width), so when the profile carries the
+    engine's `shapes` (per layout) the surface is f(rows bucket, padded width) built from the same profiled points, and
+    a prediction needs the longest live context too. Without `shapes` (or `longest`) it is the paper's."""
 
     def __init__(self, profile: Profile):
         self.profile = profile
-        self._decode = {tp: _Surface(lp.decode, tokens=True) for tp, lp in profile.layouts.items()}
+        self.padded = {tp: Padded(lp.shapes) for tp, lp in profile.layouts.items() if lp.shapes}
+        self._decode = {tp: self._decode_surface(tp, lp.decode) for tp, lp in profile.layouts.items()}
         self._prefill = {tp: _Surface(lp.prefill, tokens=False) for tp, lp in profile.layouts.items() if lp.prefill}
+
+    def _decode_surface(self, tp: int, rows) -> _Surface:
+        pad = self.padded.get(tp)
+        if pad is None:
+            return _Surface(rows, tokens=True)
+        # a profiled point (B, L) ran B rows of context L: its shape is (rows bucket, width of L)
+        return _Surface([(int(pad.rows(b)), int(pad.width(n)), s) for b, n, s in rows], tokens=False)
 
     @property
     def layouts(self) -> list[int]:
         return sorted(self._decode)
 
-    def step_latency(self, tp: int, batch, tokens) -> np.ndarray:
-        """ℓ(B, T; tp): seconds of one decode step of a TP group holding `batch` sequences, T context tokens."""
-        return self._decode[tp](batch, tokens)
+    def step_latency(self, tp: int, batch, tokens, longest=None) -> np.ndarray:
+        """ℓ(B, T; tp): seconds of one decode step of a TP group holding `batch` sequences, T context tokens
+        (`longest`: the longest sequence's context, for a padded profile; default T / B)."""
+        pad = self.padded.get(tp)
+        if pad is None:
+            return self._decode[tp](batch, tokens)
+        batch = np.asarray(batch, np.float64)
+        if longest is None:
+            longest = np.asarray(tokens, np.float64) / np.maximum(batch, 1)
+        return self._decode[tp](pad.rows(np.maximum(batch, 1)), pad.width(np.ceil(longest)))
 
     def prefill_latency(self, tp: int, batch, length) -> np.ndarray:
         """T_prefill(B, L; tp): seconds to prefill `batch` sequences of `length` tokens in one TP group."""
         return self._prefill[tp](batch, length)
 
     def group_remaining(self, tp: int, contexts: Seq[int], remaining: Seq[int]) -> float:
-        """Σ_s ℓ(B(s), T(s); tp) until the group's last sequence reaches its bound (see module docstring)."""
+        """Σ_s ℓ(B(s), T(s); tp) until the group's last sequence reaches its bound (see module docstring);
+        a padded profile also follows the longest live context L_max(s)."""
         if not len(contexts):
             return 0.0
         ctx = np.asarray(contexts, np.float64)
@@ -204,7 +249,8 @@ class Predictor:
         batch = len(rem) - dead
         suffix = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
         tokens = suffix[dead] + batch * (s - 1)
-        return float(self.step_latency(tp, batch, tokens).sum())
+        longest = np.concatenate([np.maximum.accumulate(ctx_sorted[::-1])[::-1], [0.0]])[dead] + (s - 1)
+        return float(self.step_latency(tp, batch, tokens, longest).sum())
 
     def remaining_time(self, tp: int, groups: Seq[Seq[Live]]) -> float:
         """A layout's remaining decode time: its groups decode concurrently, so the slowest group's."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 
 import jax
@@ -66,6 +67,8 @@ class ExecutableCache:
     compile_s: float = 0.0
     calls: int = 0
     _table: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+    _pending: dict = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @staticmethod
     def key(name: str, args, fn=None, **static) -> tuple:
@@ -73,20 +76,38 @@ class ExecutableCache:
 
     def compile(self, name: str, fn, *args, **static):
         """The executable of `fn` for these inputs (arrays or ShapeDtypeStructs with shardings), compiled if
-        new; nothing runs. `name` labels it (two functions never share an entry)."""
+        new; nothing runs. `name` labels it (two functions never share an entry). Thread-safe: a key another
+        thread is compiling (`precompile`'s background thread) is waited for, not compiled twice."""
         key = self.key(name, args, fn, **static)
-        exe = self._table.get(key)
-        if exe is None:
+        while True:
+            with self._lock:
+                exe = self._table.get(key)
+                if exe is not None:
+                    self._table.move_to_end(key)
+                    return exe
+                busy = self._pending.get(key)
+                if busy is None:
+                    self._pending[key] = threading.Event()
+                    break
+            busy.wait()                      # the other thread's result (or its failure: then compile here)
+        try:
             t = time.perf_counter()
             exe = fn.lower(*args, **static).compile()
-            self.compile_s += time.perf_counter() - t
-            self.compiles += 1
-            self._table[key] = exe
-            while len(self._table) > self.maxsize:
-                self._table.popitem(last=False)
-        else:
-            self._table.move_to_end(key)
+            with self._lock:
+                self.compile_s += time.perf_counter() - t
+                self.compiles += 1
+                self._table[key] = exe
+                while len(self._table) > self.maxsize:
+                    self._table.popitem(last=False)
+        finally:
+            with self._lock:
+                self._pending.pop(key).set()
         return exe
+
+    def has(self, name: str, fn, *args, **static) -> bool:
+        """Whether these inputs' executable is compiled (nothing is compiled)."""
+        with self._lock:
+            return self.key(name, args, fn, **static) in self._table
 
     def __call__(self, name: str, fn, *args, **static):
         exe = self.compile(name, fn, *args, **static)
@@ -95,13 +116,29 @@ class ExecutableCache:
 
     def clear(self):
         """Drop every executable (the counters stay)."""
-        self._table.clear()
+        with self._lock:
+            self._table.clear()
 
     def __len__(self):
         return len(self._table)
 
 
 CACHE = ExecutableCache()
+
+
+def padding_batch(rows: int, pages: int, truncate: bool) -> DecodeBatch:
+    """A decode batch of `rows` padding rows over a `pages`-wide table (writes only the scratch page), with
+    the sampler variant `truncate` (top-k/top-p compiled in or not)."""
+    params = SamplingParams(temperature=1.0, top_k=2) if truncate else SamplingParams(temperature=0.0)
+    return DecodeBatch([], np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full(rows, -1, np.int32),
+                       np.zeros((rows, pages), np.int32), [(params, 0, 0)])
+
+
+def decode_inputs(weights, k, v, prev_tokens, b: DecodeBatch, put) -> tuple:
+    """The positional inputs of `model_step.decode_step` for batch `b`; `put` places host arrays (a device
+    put, or a `jax.ShapeDtypeStruct` for compiling ahead: `precompile`)."""
+    sb = jax.tree.map(put, SamplingBatch.build(b.sampling, len(b.tokens)))
+    return (weights, k, v, prev_tokens, put(b.src), put(b.tokens), put(b.positions), put(b.table), sb)
 
 
 class Executor:
@@ -127,10 +164,9 @@ class Executor:
         on the host)."""
         if prev_tokens is None:
             prev_tokens = self._no_prev()
-        sb = jax.tree.map(self.put, SamplingBatch.build(b.sampling, len(b.tokens)))
-        tok, logp, k, v = self.cache("decode", model_step.decode_step, weights, kv.k, kv.v, prev_tokens,
-                                     self.put(b.src), self.put(b.tokens), self.put(b.positions), self.put(b.table),
-                                     sb, cfg=self.cfg, impl=self.impl)
+        tok, logp, k, v = self.cache("decode", model_step.decode_step,
+                                     *decode_inputs(weights, kv.k, kv.v, prev_tokens, b, self.put),
+                                     cfg=self.cfg, impl=self.impl)
         return tok, logp, KVStore(k, v)
 
     def _no_prev(self):
@@ -144,10 +180,7 @@ class Executor:
         compiled in), and each prefill bucket (rows, chunk width, page-table width)."""
         for rows, pages in decode:
             for tr in truncate:
-                params = SamplingParams(temperature=1.0, top_k=2) if tr else SamplingParams(temperature=0.0)
-                b = DecodeBatch([], np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full(rows, -1, np.int32),
-                                np.zeros((rows, pages), np.int32), [(params, 0, 0)])
-                _, _, kv = self.decode(weights, kv, b)
+                _, _, kv = self.decode(weights, kv, padding_batch(rows, pages, tr))
         for rows, width, pages in prefill:
             b = PrefillBatch([], np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
                              np.zeros(rows, np.int32), np.zeros((rows, pages), np.int32))

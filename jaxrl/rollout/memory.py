@@ -24,9 +24,15 @@ DEFAULT_MEMORY_FRACTION = 0.5
 
 
 def weight_bytes_per_device(weights) -> int:
-    """The largest number of weight bytes any one device holds."""
+    """The largest number of weight bytes any one device holds (`weights`: arrays, or ShapeDtypeStructs with
+    shardings: a layout not built yet)."""
     per_device: dict = {}
     for x in jax.tree.leaves(weights):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            n = int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+            for d in x.sharding.device_set:
+                per_device[d] = per_device.get(d, 0) + n
+            continue
         for shard in x.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return max(per_device.values(), default=0)

@@ -11,6 +11,8 @@ group:
   time recorded: T_prefill(B, L)), then `decode_steps` decode steps are timed and averaged (60 on a GPU
   as in the paper; fewer on the CPU by setting it). A step's context is L + its index, so the row is
   recorded at the mean context L + (decode_steps + 1) / 2;
+* shapes: with the XLA decode path, the padded decode shapes the layout's instances run (rows ladder,
+  page-table widths), so the predictor can map a batch to the shape it actually runs (`adaptive_tp.Padded`);
 * compile: the seconds to compile the layout's whole bounded step set on its first TP group, times the
   number of TP groups (executables are per device set; one host compiles them one after the other);
 * between layouts: the weight reshard + rebuild of `relayout` with nothing live, per (src, dst) pair
@@ -122,7 +124,10 @@ def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: in
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(tp=tp, batch=b, context=n, ms=f"{d * 1e3:.2f}")
-    return LayoutProfile(tp, dec, pre, compile_s)
+    sh = svc.instances[0].shapes
+    shapes = None if svc.instance_kw["attention_impl"] != "xla" else \
+        {"batch": list(sh.batch), "pages": list(sh.pages), "page_size": sh.page_size}
+    return LayoutProfile(tp, dec, pre, compile_s, shapes)
 
 
 def measure_switches(svc, tps: list[int], prof_layers: int, kv_bytes_per_token_layer: int, vocab: int, rng,

@@ -19,7 +19,9 @@ Each decision's `actual` is filled in: `switch_s` (the relayout's measured secon
 `remaining_s`: the wall time from the decision to the end of
 that generation (the moment the service next runs out of work), to set against `current_s` / the chosen
 candidate's `remaining_s`. `warm(tp)` is true for a layout this process has already run (its executables
-are in the process-wide cache), so its compile cost counts as 0.
+are in the process-wide cache), or, with `precompile` (`precompile.Precompiler`), one whose small decode
+buckets a background thread compiled after the controller first saw it and whose merged batch fits them;
+its compile cost then counts as 0.
 """
 
 from __future__ import annotations
@@ -27,24 +29,42 @@ from __future__ import annotations
 import logging
 import time
 
-from .adaptive_tp import Live, SwitchController, SwitchDecision
+from .adaptive_tp import Live, SwitchController, SwitchDecision, merge_and_redistribute
+from .precompile import Precompiler
 
 log = logging.getLogger(__name__)
 
 
 class AdaptiveTP:
-    def __init__(self, controller: SwitchController, *, check_every: int = 16, min_batch: int = 1):
+    def __init__(self, controller: SwitchController, *, check_every: int = 16, min_batch: int = 1,
+                 precompile: Precompiler | None = None):
         if check_every < 1:
             raise ValueError(f"check_every={check_every} must be >= 1")
         self.controller, self.check_every, self.min_batch = controller, check_every, min_batch
+        self.precompile = precompile           # background compiles of unseen candidates' small buckets
         self.decisions: list[SwitchDecision] = []
         self.seen: set[int] = set()            # layouts (TP sizes) this process has run: compiled
         self._steps = 0
         self._open: list[SwitchDecision] = []  # decisions of the running generation, awaiting `remaining_s`
         self._reported = 0
 
-    def warm(self, tp: int) -> bool:
-        return tp in self.seen
+    def warm(self, tp: int, live: list[Live] | None = None) -> bool:
+        """Whether a switch to `tp` compiles no decode step: a layout this process has run, or one whose small
+        buckets the background compile finished and the merged batch of `live` fits."""
+        if tp in self.seen:
+            return True
+        if self.precompile is None or live is None:
+            return False
+        groups = merge_and_redistribute(live, self.controller.devices // tp)
+        return self.precompile.ready(tp, max(len(g) for g in groups))
+
+    def _first_sight(self, svc, current: int) -> None:
+        """Start the background compile of every candidate layout not run yet (once per layout)."""
+        params = [s.params for inst in svc.instances for s in inst.sched.live]
+        truncate = tuple(sorted({p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params})) or (False,)
+        for tp in self.controller.candidates:
+            if tp != current and tp not in self.seen:
+                self.precompile.request(svc, tp, truncate)
 
     @staticmethod
     def uniform_tp(svc) -> int | None:
@@ -70,7 +90,9 @@ class AdaptiveTP:
         live = self.live(svc)
         if len(live) < self.min_batch:
             return None
-        d = self.controller.decide(tp, live, step=self._steps, warm=self.warm)
+        if self.precompile is not None:
+            self._first_sight(svc, tp)
+        d = self.controller.decide(tp, live, step=self._steps, warm=lambda t: self.warm(t, live))
         d.actual["t0"] = time.perf_counter()
         if d.switch:
             report = svc.relayout(d.tp, self.controller.devices // d.tp, kv=d.kv)
