@@ -83,7 +83,7 @@ def test_relayout_mid_generation_reuses_shards():
             steps += 1
             if steps in moves:
                 reports.append(svc.relayout(moves[steps], 8 // moves[steps]))
-        return {c.request_id: c.tokens for c in svc.run()} | {}, reports, svc
+        return {c.request_id: c.tokens for c in svc.run()}, reports, svc
 
     static, _, _ = run({})
     got, reps, svc = run({3: 4, 6: 8, 9: 2})
