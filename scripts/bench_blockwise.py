@@ -80,15 +80,16 @@ def memory_row(cfg, dtype, rows: int, seq_len: int, block: int, spec: LossSpec, 
     full = full_cache[seq_len]
     P = -(-seq_len // block) * block
     mbp = _mb(rows, P)
-    kv_exe = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec)).lower(params, mbp).compile()
-    hk = jax.ShapeDtypeStruct((cfg.num_layers, rows, P, cfg.num_kv_heads, cfg.head_dim), dtype)
+    kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec, stored=True))
+    kv_exe = kv_fn.lower(params, mbp).compile()
+    hk = jax.eval_shape(kv_fn, params, mbp)[0]      # C as the block step takes it (`stored_history`)
     gk = jax.ShapeDtypeStruct(hk.shape, jnp.float32)
     acc = (params, {k: jax.ShapeDtypeStruct((), jnp.float32) for k in STATS})
     step = jax.jit(functools.partial(block_step, cfg=cfg, spec=spec, block=block), donate_argnums=(4, 5, 6))
     step_exe = step.lower(params, mbp, hk, hk, gk, gk, acc, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     kv_mem, step_mem = _peak(kv_exe), _peak(step_exe)
     blockwise = max(kv_mem["peak"], step_mem["peak"])
-    cache = 2 * np.prod(hk.shape) * jnp.dtype(dtype).itemsize
+    cache = 2 * np.prod(hk.shape) * hk.dtype.itemsize
     row = {"seq_len": seq_len, "block": block, "rows": rows, "full_bytes": full["peak"], "blockwise_bytes": blockwise,
            "ratio": full["peak"] / blockwise, "full_s": None, "blockwise_s": None,
            "full_parts": full, "recompute_parts": kv_mem, "block_step_parts": step_mem,

@@ -4,6 +4,7 @@ Qwen3 (q/k-norm), Qwen2 (bias), Llama-3 (rope scaling), packed rows with several
 sizes that do and do not divide the row, a sliding window, and the zero-reward shortcut's skip counts."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +15,11 @@ from jaxrl.config.train import AlgoSection, OptimSection, TrainConfig
 from jaxrl.train import blockwise
 from jaxrl.train.batch import Sample, pack
 from jaxrl.train.blockwise import BlockwiseUpdater, plan_blocks
+from jaxrl.train.history_attention import stored_history
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.rl import batch_weights
-from jaxrl.train.step import LossSpec, make_grad_step, token_logp
-from models import PRESETS, init
+from jaxrl.train.step import STATS, LossSpec, make_grad_step, token_logp
+from models import PRESETS, abstract, init
 
 REL_F32 = 1e-5            # max |blockwise - full| / max |full| per tensor (float32)
 SPEC = LossSpec(clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
@@ -206,3 +208,41 @@ def test_update_is_apply_of_the_blockwise_gradients_and_compiles_nothing_after_w
     assert float(m["loss"]) == pytest.approx(float(full_stats["loss"]), rel=1e-5)
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(new_p),
                                                                                 jax.tree.leaves(params)))
+
+
+def test_bfloat16_history_stored_as_bits_gives_the_same_gradients(cases, monkeypatch):
+    """On XLA:CPU a bfloat16 cache goes to the block step as its raw bits (`stored_history`, to stop XLA
+    hoisting a float32 copy of all of C out of the layer loop): the gradients are bitwise those of the
+    plain bfloat16 cache (a reinterpretation, no arithmetic)."""
+    cfg, params, batch, _ = cases["qwen3"]
+    pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    got = BlockwiseUpdater(cfg, SPEC, _tx(), block_size=8).gradients(pb, [batch])
+    monkeypatch.setattr(blockwise, "stored_history", lambda kv: kv)
+    want = BlockwiseUpdater(cfg, SPEC, _tx(), block_size=8).gradients(pb, [batch])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_block_step_temporaries_do_not_copy_the_cache():
+    """The block step keeps no per-layer copy of C or of its gradient (`history_attention`): doubling the
+    history grows the compiled temporaries by less than one bfloat16 copy of the added C over all layers
+    (autodiff through the merged [history; block] K/V grew them by ~16x that). Compile only, 8 layers."""
+    cfg = dataclasses.replace(MODELS["qwen3"], num_layers=8)
+    fields = {"tokens": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32, "targets": jnp.int32,
+              "loss_mask": jnp.int32, "advantages": jnp.float32, "weights": jnp.float32, "ref_logp": jnp.float32,
+              "old_logp": jnp.float32}
+    p = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), abstract(cfg))
+    acc = (p, {k: jax.ShapeDtypeStruct((), jnp.float32) for k in STATS})
+    step = jax.jit(functools.partial(blockwise.block_step, cfg=cfg, spec=SPEC, block=128), donate_argnums=(4, 5, 6))
+
+    def temp_and_cache(P):
+        mb = {k: jax.ShapeDtypeStruct((1, P), dt) for k, dt in fields.items()}
+        c = jax.ShapeDtypeStruct((cfg.num_layers, 1, P, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+        hk = jax.eval_shape(stored_history, c)
+        gk = jax.ShapeDtypeStruct(hk.shape, jnp.float32)
+        exe = step.lower(p, mb, hk, hk, gk, gk, acc, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        return exe.memory_analysis().temp_size_in_bytes, 2 * c.size * 2
+
+    (t1, c1), (t2, c2) = temp_and_cache(2048), temp_and_cache(4096)
+    assert t2 - t1 < c2 - c1, (t2 - t1) / (c2 - c1)

@@ -199,7 +199,6 @@ def test_critic_update_fits_returns_and_warm_up_compiles_everything(params):
     (dict(trainer={"stream": {"enabled": True}}), "trainer.stream.enabled"),
     (dict(trainer={"micro_batch_tokens": None}), "trainer.micro_batch_tokens"),
     (dict(trainer={"async_steps": 1}, placement="disaggregated"), "placement"),
-    (dict(trainer={"backward": "blockwise", "block_size": 16}), "trainer.backward"),
 ])
 def test_ppo_refuses_modes_without_a_critic_step(changes, key):
     raw = {"algo": {"advantage": "gae", "group_size": 1}, **changes}

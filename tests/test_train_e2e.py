@@ -283,6 +283,24 @@ def test_ppo_resume_restores_the_critic(tmp_path, tmp_path_factory):
         np.testing.assert_array_equal(a, b)
 
 
+def test_ppo_with_the_blockwise_backward_matches_the_full_one(tmp_path, tmp_path_factory):
+    """PPO (GAE critic, KL in the reward) with the policy's MetroRLHF blockwise backward (blocks of 16,
+    recomputed K/V): the shared full-backward run's rollouts exactly and its policy and critic metrics
+    within float32 rounding (the critic keeps the full backward; only the policy's gradient sums differ
+    in summation order)."""
+    want = _metrics(_one_process(tmp_path_factory, PPO))
+    _train(tmp_path, *COMMON, *PPO, "engine.instances=8", "save_every=null", "trainer.backward=blockwise",
+           "trainer.block_size=16")
+    got = _metrics(tmp_path)
+    assert len(got) == len(want)
+    for row, ref in zip(got, want):
+        assert row["blockwise/blocks"] > 0
+        for k in ("reward_mean", "response_len_mean"):
+            assert row[k] == ref[k], k
+        for k in ("loss", "grad_norm", "reward_kl", "critic/vf_loss", "critic/value_mean"):
+            np.testing.assert_allclose(row[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 BACKWARD = {"full": [],
             # MetroRLHF, blocks of 48 over 160-token rows (padded to 192): the same metrics as the full backward.
             # With the rollout's K/V (the path with the most parts: export, staging, packed gather); the

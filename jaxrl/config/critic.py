@@ -63,7 +63,6 @@ def check_critic(cfg: "TrainConfig") -> None:
         (cfg.placement != "colocated", "placement",
          "the critic runs on the train mesh of a colocated run only (placement=colocated)"),
         (t.async_steps > 0, "trainer.async_steps", "one-step-async has no critic step: use async_steps=0"),
-        (t.backward != "full", "trainer.backward", "PPO's policy update uses the full backward (trainer.backward=full)"),
     ]
     for bad, key, why in refuse:
         if bad:

@@ -20,8 +20,10 @@ fresh K/V into the cache buffer at iT (`dynamic_update_slice`) and attends with 
 (`kernels.attention`: causal, the model's sliding window, the rows' segment ids), so keys are
 [history from C; the block's own; later positions masked]. The history is a fixed-size buffer masked by
 position, so one compiled block step serves every block (the start is a traced scalar); it donates ∇C and
-the gradient/stats accumulators. Its vjp w.r.t. C is exactly the gradient reaching the cached history
-(positions < iT; the overwritten and the masked positions get exactly zero). The loss of a block is
+the gradient/stats accumulators. The gradient reaching the cached history (positions < iT; the
+overwritten and the masked positions get exactly zero) is added into ∇C in place, layer by layer, inside
+the backward (`history_attention`: no per-layer copy of C, no stacked history cotangent; written as
+`∇C += g_C` above). The loss of a block is
 `step.hidden_loss` on the block's hidden states (the fused or chunked log-prob path, every RL loss, KL
 to the reference and the entropy bonus: all per-token terms, so block sums add up).
 
@@ -70,10 +72,10 @@ import numpy as np
 from jax import lax
 
 from kernels import attention
-from kernels.attention_pairs import attention_pairs
 from models import ModelConfig, decoder_stack
 
 from .batch import FIELDS
+from .history_attention import Attn, history_attention, stored_history
 from .step import STATS, LossSpec, hidden_loss
 from .update import Updater, _abstract, _out_abstract
 
@@ -123,8 +125,9 @@ def _pad_rows(mb, *, length: int):
     return {k: jnp.pad(v, ((0, 0), (0, length - v.shape[1]))) for k, v in mb.items()}
 
 
-def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec):
-    """K, V [L, R, P, K, D] of every layer for the micro-batch's rows (a forward pass that keeps only them)."""
+def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec, stored: bool = False):
+    """K, V [L, R, P, K, D] of every layer for the micro-batch's rows (a forward pass that keeps only them);
+    `stored`: in the form the block step takes them (`history_attention.stored_history`)."""
     seg = mb["segment_ids"]
 
     def attend(l, q, k, v, carry, xs_l):
@@ -133,7 +136,7 @@ def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec):
         return o, carry, (k, v)
 
     _, _, (k, v) = decoder_stack(params, cfg, params.embed[mb["tokens"]], mb["positions"], attend)
-    return k, v
+    return stored_history((k, v)) if stored else (k, v)
 
 
 def _zeros_like_kv(hist_k):
@@ -147,37 +150,32 @@ def _zero_acc(params):
 
 def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: ModelConfig, spec: LossSpec,
                block: int):
-    """One block (rows' tokens [start, start + block)): its loss's vjp with ∇C[block] as the cotangent of its
-    own K/V; returns (∇C_k, ∇C_v, (grad_sums, stats_sums)) with this block's contributions added."""
-    R = mb["tokens"].shape[0]
+    """One block (rows' tokens [start, start + block)): its loss's vjp, with the history gradient added into
+    ∇C = (grad_k, grad_v) in place and ∇C[block] as the cotangent of the block's own K/V
+    (`history_attention`); returns (∇C_k, ∇C_v, (grad_sums, stats_sums)) with this block's contributions added."""
     cut = lambda x: lax.dynamic_slice_in_dim(x, start, block, axis=1)     # noqa: E731
     blk = {k: cut(v) for k, v in mb.items()}
-    seg, offset = mb["segment_ids"], jnp.full((R,), start, jnp.int32)
+    a = Attn(spec.attention_impl, cfg.sliding_window, PAIR_BLOCK)
 
-    def forward(params, hk, hv):
+    def forward(params, gk, gv):
         def attend(l, q, k, v, carry, xs_l):
-            hk_l, hv_l = xs_l
-            kk = lax.dynamic_update_slice_in_dim(hk_l.astype(k.dtype), k, start, axis=1)
-            vv = lax.dynamic_update_slice_in_dim(hv_l.astype(v.dtype), v, start, axis=1)
-            masks = dict(causal=True, window=cfg.sliding_window, q_segment_ids=blk["segment_ids"],
-                         kv_segment_ids=seg)
-            if spec.attention_impl == "xla":      # skip the key chunks after the block (traced start)
-                o = attention_pairs(q, kk, vv, q_offset=start, **masks, block_q=PAIR_BLOCK, block_k=PAIR_BLOCK)
-            else:
-                o = attention(q, kk, vv, q_offset=offset, **masks, implementation=spec.attention_impl)
-            return o, carry, (k, v)
+            o, gk, gv = history_attention(a, q, k, v, *carry, *xs_l, l, start, blk["segment_ids"],
+                                          mb["segment_ids"])
+            return o, (gk, gv), (k, v)
 
-        h, _, kv = decoder_stack(params, cfg, params.embed[blk["tokens"]], blk["positions"], attend,
-                                 xs=(hk, hv), remat=spec.remat)
+        h, g, kv = decoder_stack(params, cfg, params.embed[blk["tokens"]], blk["positions"], attend,
+                                carry=(gk, gv), xs=(hist_k, hist_v), remat=spec.remat)
         loss, sums = hidden_loss(params, cfg, spec, h, blk)
-        return (loss, kv), sums
+        return (loss, g, kv), sums
 
-    (loss, (kb, vb)), vjp, sums = jax.vjp(forward, params, hist_k, hist_v, has_aux=True)
-    own = lambda g, like: lax.dynamic_slice_in_dim(g, start, block, axis=2).astype(like.dtype)  # noqa: E731
-    g_params, g_hk, g_hv = vjp((jnp.ones_like(loss), (own(grad_k, kb), own(grad_v, vb))))
+    own = lambda g: lax.dynamic_slice_in_dim(g, start, block, axis=2)     # noqa: E731  ∇C[block], read first
+    own_k, own_v = own(grad_k), own(grad_v)
+    (loss, g, (kb, vb)), vjp, sums = jax.vjp(forward, params, grad_k, grad_v, has_aux=True)
+    # ∇C's cotangent in = ∇C itself: out comes ∇C with every layer's history gradient added in place
+    g_params, grad_k, grad_v = vjp((jnp.ones_like(loss), g, (own_k.astype(kb.dtype), own_v.astype(vb.dtype))))
     grads, stats = acc
     acc = (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads, g_params), jax.tree.map(jnp.add, stats, sums))
-    return grad_k + g_hk.astype(jnp.float32), grad_v + g_hv.astype(jnp.float32), acc
+    return grad_k, grad_v, acc
 
 
 # ---------------------------------------------------------------------------------------- the updater
@@ -197,7 +195,8 @@ class BlockwiseUpdater(Updater):
         if kv_source not in KV_SOURCES:
             raise ValueError(f"kv_source={kv_source!r}; valid choices: {', '.join(KV_SOURCES)}")
         self.cfg, self.block, self.kv_source = cfg, block_size, kv_source
-        self.kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec))
+        self.kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec, stored=True))
+        self.store = jax.jit(stored_history)
         self.step_fn = jax.jit(functools.partial(block_step, cfg=cfg, spec=spec, block=block_size),
                                donate_argnums=(4, 5, 6))
         self.zero_kv = jax.jit(_zeros_like_kv)
@@ -230,7 +229,7 @@ class BlockwiseUpdater(Updater):
             if not plan:
                 continue
             mb = self._prepare(raw)
-            hk, hv = self.cache("kv", self.kv_fn, params, mb) if kv is None else kv[j]
+            hk, hv = self.cache("kv", self.kv_fn, params, mb) if kv is None else self.cache("store", self.store, kv[j])
             gk, gv = self.cache("zero_kv", self.zero_kv, hk)
             for i in plan:
                 gk, gv, acc = self.cache("block", self.step_fn, params, mb, hk, hv, gk, gv, acc,
@@ -253,7 +252,8 @@ class BlockwiseUpdater(Updater):
         for _ in range(3):
             self.cache.compile("logp", self.logp, p, logp_mb)
             acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p))
-            hk, hv = _abstract(kv) if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb))
+            hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv))) if kv is not None
+                      else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb)))
             gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk))
             start = np.int32(0)
             for _ in range(3):      # the step's outputs feed it again: follow them until they repeat
