@@ -189,11 +189,11 @@ DYNAMIC = ["rollout.tail_batching.dynamic_sampling=true", "rollout.tail_batching
 # live. The 1-process runs save every step: test_ppo_resume_restores_the_critic resumes from checkpoint 2.
 PPO = ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "steps=3",
        "rewards.fn=tests.dense_reward:score"]
-# GRPO: 2 and 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is
-# the same chain of nodes; the 4-process case also repartitions by tokens), one shared 1-process run.
-MODES = {"dynamic_sampling": (TAIL + ["steps=3"] + DYNAMIC, 2),
-         "four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
-         "ppo": (PPO, 2), "ppo_four_balanced": (PPO + ["trainer.repartition=tokens"], 4)}
+# GRPO: 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is the
+# same chain of nodes), repartitioned by tokens; PPO on 2 processes, also repartitioned. Each shares its
+# 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
+MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
+         "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2)}
 COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
           "critic.optim.eps=1e-3"]
 _ONE_PROCESS_RUNS = {}
@@ -211,11 +211,12 @@ def _one_process(tmp_path_factory, extra):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
-    """2 processes == 1: with tail batching they also agree on every round's accepted prompts and the queue
-    (the race is decided on lengths, the queue is global); with DAPO dynamic sampling on top, on the dropped
-    groups and the waves too. four_balanced: 4 processes whose samples the DistFlow databuffer repartitions
-    by tokens before packing (trainer.repartition=tokens: samples cross processes on the devices) == the
-    1-process sync run (where the repartition is the fast path: nothing to move; shared with `sync`)."""
+    """N processes == 1, the samples repartitioned by tokens across processes by the DistFlow databuffer before
+    packing (trainer.repartition=tokens: samples cross processes on the devices; in the 1-process run the
+    repartition is the fast path, nothing to move). four_balanced: 4 processes on tail batching's rounds
+    agree on every round's accepted prompts and the queue (the race is decided on lengths, the queue is
+    global) and, with DAPO dynamic sampling, on the dropped groups and the waves. ppo_two_balanced: the
+    critic, GAE and the reward's KL on 2 processes."""
     extra, procs = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
@@ -232,7 +233,7 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
         keys += ["tail/long_round", "tail/queue_len", "tail/queued", "tail/prompts_trained", "tail/aborted_responses",
                  "tail/wasted_tokens", "tail/dropped_groups", "tail/waves", "tail/batch_short", "tail/prompts_launched"]
         assert sum(r["tail/dropped_groups"] for r in m1) > 0 and max(r["tail/waves"] for r in m1) == 2
-    if mode.endswith("four_balanced"):
+    if mode.endswith("balanced"):
         packed = [r for r in m2 if "flow/padding_local" in r]       # (a step whose groups were all dropped packs nothing)
         assert sum(r["flow/bytes_moved"] for r in packed) > 0
         assert all(r["flow/padding_balanced"] <= r["flow/padding_local"] for r in packed)
