@@ -87,8 +87,18 @@ def _groups(states: list[SequenceState]) -> list[list[SequenceState]]:
     return list(out.values())
 
 
-def attach(states: list[SequenceState], target, sources: dict[int, PoolSource], kv: str) -> MoveReport:
-    """Attach `states` to instance `target` (see module docstring); returns what moved."""
+def device_move(src_kv, rows: list[int], dst_kv, dst: list[int]) -> tuple:
+    """Copy pages `rows` of `src_kv` into pages `dst` of `dst_kv` on the devices: (new dst_kv, bytes sent,
+    bytes predicted by `move_bytes`). `attach`'s default mover (the simulator passes one that only counts)."""
+    predicted = move_bytes(len(rows), src_kv, dst_kv)
+    dst_kv, sent = move_pages(src_kv, rows, dst_kv, dst)
+    return dst_kv, sent, predicted
+
+
+def attach(states: list[SequenceState], target, sources: dict[int, PoolSource], kv: str, *,
+           mover: Callable = device_move) -> MoveReport:
+    """Attach `states` to instance `target` (see module docstring); returns what moved. `mover(src kv, source
+    rows, target kv, target pages) -> (target kv, bytes sent, bytes predicted)` copies the pages."""
     t0 = time.perf_counter()
     target.pause()
     rep = MoveReport()
@@ -121,8 +131,8 @@ def attach(states: list[SequenceState], target, sources: dict[int, PoolSource], 
     for src_index, (pages, dst) in plan.items():
         src = sources[src_index]
         rows = [src.rows[p] for p in pages] if src.rows is not None else pages
-        rep.kv_bytes_predicted += move_bytes(len(pages), src.kv, target.kv)
-        target.kv, sent = move_pages(src.kv, rows, target.kv, dst)
+        target.kv, sent, predicted = mover(src.kv, rows, target.kv, dst)
+        rep.kv_bytes_predicted += predicted
         rep.kv_bytes += sent
         rep.pages_moved += len(pages)
     for st in moved:
@@ -130,6 +140,31 @@ def attach(states: list[SequenceState], target, sources: dict[int, PoolSource], 
     for grp, page_map in joins:
         target.sched.attach(grp, page_map)
     rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def deal(states: list[SequenceState], n: int) -> list[list[SequenceState]]:
+    """Step 5's placement: `states` (request-id order) dealt to `n` new instances, a group sharing KV pages
+    together, each to the instance holding the fewest context tokens so far (ties: the lower index)."""
+    load = [0] * n
+    assigned: list[list[SequenceState]] = [[] for _ in range(n)]
+    for grp in _groups(list(states)):
+        j = min(range(n), key=lambda i: (load[i], i))
+        assigned[j] += grp
+        load[j] += sum(st.context_len for st in grp)
+    return assigned
+
+
+def attach_dealt(states: list[SequenceState], new: list, sources: dict[int, PoolSource], kv: str, *,
+                 mover: Callable = device_move, progress: Callable[[], None] = lambda: None) -> MoveReport:
+    """`deal` the states over the `new` instances and `attach` each share; the summed report."""
+    rep = MoveReport()
+    for inst, sts in zip(new, deal(states, len(new))):
+        if sts:
+            r = attach(sts, inst, sources, kv, mover=mover)
+            for f in ("migrated", "recomputed", "pages_moved", "kv_bytes", "kv_bytes_predicted", "seconds"):
+                setattr(rep, f, getattr(rep, f) + getattr(r, f))
+            progress()
     return rep
 
 
@@ -236,20 +271,8 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
     else:
         new, weight_bytes, weight_s = _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe)
     probe()
-    load = [0] * len(new)                                       # groups to the least-loaded new instance
-    assigned: list[list[SequenceState]] = [[] for _ in new]
     everything = sorted((st for sts in states for st in sts), key=lambda st: st.rid)
-    for grp in _groups(everything):
-        j = min(range(len(new)), key=lambda i: (load[i], i))
-        assigned[j] += grp
-        load[j] += sum(st.context_len for st in grp)
-    rep = MoveReport()
-    for inst, sts in zip(new, assigned):
-        if sts:
-            r = attach(sts, inst, sources, kv)
-            for f in ("migrated", "recomputed", "pages_moved", "kv_bytes", "kv_bytes_predicted", "seconds"):
-                setattr(rep, f, getattr(rep, f) + getattr(r, f))
-            probe()
+    rep = attach_dealt(everything, new, sources, kv, progress=probe)
     for src in sources.values():
         for x in src.kv:
             x.delete()

@@ -71,24 +71,26 @@ def _prompts(rng, batch: int, length: int, vocab: int) -> list[list[int]]:
     return [rng.integers(1, vocab, size=length).tolist() for _ in range(batch)]
 
 
-def measure_point(svc, rng, batch: int, length: int, decode_steps: int, vocab: int) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step) of `batch` random prompts of `length` tokens on instance 0."""
+def measure_point(svc, rng, batch: int, length: int, decode_steps: int, vocab: int,
+                  timer=time.perf_counter) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) of `batch` random prompts of `length` tokens on instance 0
+    (`timer`: the clock read; the simulator profiles its cost model on its virtual one)."""
     from jaxrl.rollout import SamplingParams
 
     params = SamplingParams(max_new_tokens=decode_steps + 2, temperature=0.0, stop_token_ids=())
-    t0 = time.perf_counter()
+    t0 = timer()
     rids = [svc.add(p, params, instance=0)[0] for p in _prompts(rng, batch, length, vocab)]
     while True:                                     # until every sequence has its first token
         svc.step()
         stats = {s["request_id"]: s for s in svc.sequence_stats()}
         if all(r in stats and stats[r]["generated"] >= 1 and stats[r]["state"] == "running" for r in rids):
             break
-    prefill = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    prefill = timer() - t0
+    t1 = timer()
     for _ in range(decode_steps):
         svc.step()
     svc.pause()                                     # drain the in-flight step: its time counts
-    decode = (time.perf_counter() - t1) / decode_steps
+    decode = (timer() - t1) / decode_steps
     for r in rids:
         svc.abort(r)
     return prefill, decode
@@ -103,14 +105,15 @@ def fits(batch: int, length: int, decode_steps: int, cap: int, max_seq_len: int)
     return batch * (length + decode_steps + 2) <= cap and length + decode_steps + 2 <= max_seq_len
 
 
-def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: int, rng, bar=None) -> LayoutProfile:
+def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: int, rng, bar=None,
+                   timer=time.perf_counter) -> LayoutProfile:
     """Compile time, then every (B, L) of the grid that fits T_cap on the layout's first TP group."""
     cap = token_cap(svc)
-    t0 = time.perf_counter()
+    t0 = timer()
     svc.instances[0].warm()                   # only the first TP group is measured
     # executables are per device set: a layout seen for the first time compiles its step set once per
     # instance (one after the other on one host)
-    compile_s = (time.perf_counter() - t0) * len(svc.instances)
+    compile_s = (timer() - t0) * len(svc.instances)
     dec, pre = [], []
     for b in batches:
         for n in contexts:
@@ -118,7 +121,7 @@ def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: in
                 if bar is not None:
                     bar.update(1)
                 continue
-            p, d = measure_point(svc, rng, b, n, decode_steps, vocab)
+            p, d = measure_point(svc, rng, b, n, decode_steps, vocab, timer)
             pre.append((b, n, p))
             dec.append((b, n + (decode_steps + 1) // 2, d))
             if bar is not None:

@@ -102,6 +102,7 @@ class RolloutService:
         self._ready: list[Completion] = []
         self.adaptive = None        # PAT (`tp_switch.AdaptiveTP`): may switch the layout after any step
         self.observers: list[Callable[[float, float], None]] = []   # (start, end) of each step (timelines)
+        self.clock: Callable[[], float] = time.perf_counter         # what `observers` are given (a simulator's: virtual)
 
     # ------------------------------------------------------------------ construction
     def weight_shardings(self, mesh):
@@ -218,9 +219,10 @@ class RolloutService:
         return bool(self._ready) or any(i.has_work() for i in self.instances)
 
     def step(self) -> list[Completion]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for inst in self.instances:                              # dispatch everything first
             inst.launch()
+        self._dispatched()
         done, self._ready = self._ready, []
         done += [c for inst in self.instances for c in inst.collect()]
         for c in done:
@@ -228,8 +230,11 @@ class RolloutService:
         if self.adaptive is not None:
             self.adaptive.after_step(self)
         for f in self.observers:
-            f(t0, time.perf_counter())
+            f(t0, self.clock())
         return done
+
+    def _dispatched(self) -> None:
+        """Called once every instance has dispatched its step (the simulator advances its clock here)."""
 
     def stream(self) -> Iterator[Completion]:
         """Run until idle, yielding each completion as soon as it finishes."""

@@ -182,6 +182,30 @@ def plan_shrink(rows: Sequence[dict], final: np.ndarray, instances: Sequence[tup
     return plan
 
 
+def shrink_plan(svc, s: StreamSection, history: Sequence[int]) -> ShrinkPlan:
+    """Lines 16-17 on a rollout service: its live requests' projected final lengths (`s.projection`) and
+    `plan_shrink` over its instances' pools."""
+    rows = svc.sequence_stats()
+    final = projected_lengths(rows, history, projection=s.projection, quantile=s.quantile)
+    return plan_shrink(rows, final, [(i.index, i.tp, i.pool.capacity) for i in svc.instances],
+                       page_size=svc.instances[0].pool.page_size, kv_fraction=s.kv_fraction)
+
+
+def take_shrink(svc, plan: ShrinkPlan) -> int:
+    """Line 20: pause (tokens in flight land; requests they finished come out of the next step), then move
+    the freed instances' live requests to their assigned instances with kv="recompute". Returns how many
+    moved."""
+    svc.pause()
+    live = {rid for k in plan.freed for rid in svc.instances[k].live_rids()}
+    moved = 0
+    for target, rids in plan.moves.items():
+        rids = [r for r in rids if r in live]
+        if rids:
+            svc.attach(svc.detach(rids), instance=target, kv="recompute")
+        moved += len(rids)
+    return moved
+
+
 # ----------------------------------------------------------------------------- the component
 @dataclasses.dataclass
 class _SubMesh:
@@ -245,11 +269,7 @@ class StreamTrainer:
         if not s.enabled or not milestone_due(finished, total, self._last, start=s.start, stop=s.stop, step=s.step):
             return None
         self._last, self.checks = finished, self.checks + 1
-        rows = svc.sequence_stats()
-        final = projected_lengths(rows, self.history, projection=s.projection, quantile=s.quantile)
-        page_size = svc.instances[0].pool.page_size
-        plan = plan_shrink(rows, final, [(i.index, i.tp, i.pool.capacity) for i in svc.instances],
-                           page_size=page_size, kv_fraction=s.kv_fraction)
+        plan = shrink_plan(svc, s, self.history)
         self.plan = plan
         if not plan.ok:
             return plan
@@ -260,13 +280,7 @@ class StreamTrainer:
             plan.ok, plan.reason = False, str(e)
             return plan
         t0 = time.perf_counter()
-        svc.pause()          # tokens in flight land; requests finished by them come out of the next step
-        live = {rid for k in plan.freed for rid in svc.instances[k].live_rids()}
-        for target, rids in plan.moves.items():
-            rids = [r for r in rids if r in live]
-            if rids:
-                svc.attach(svc.detach(rids), instance=target, kv="recompute")
-            self.moved += len(rids)
+        self.moved += take_shrink(svc, plan)
         self.move_s = time.perf_counter() - t0
         self._freed, self.shrunk_at = plan.freed, finished / total
         self.repurpose(devices)

@@ -1,0 +1,454 @@
+"""One row of the comparison: `steps` RL steps of one mechanism set, on the virtual clock.
+
+Each step runs the trainer's own code against the simulated engine (`engine.SimService`) and the
+simulated reward pool (`rewards.SimRewardPool`):
+
+* the rollout is `rl.rollout_and_score` (rewards scored as responses finish: `async_reward`) or that plus
+  `rl.score_batch` after it (the baseline), inside `rounds.tail_round` with tail batching (its
+  `TailBatcher` plans the round, its `Race` decides what is kept and aborted);
+* PAT is `engine.adaptive_tp.build(...)` — the trainer's `AdaptiveTP` and `SwitchController` — attached to
+  the service, switching it mid-generation; between steps `AdaptiveTP.home` / `planner.apply` bring it
+  back to the step's layout (RollPacker's `TPPlanner.decide` picks it per round type from the step's
+  preemptions, as `Trainer.collect` does);
+* the stream trainer is `stream.milestone_due`, `stream.shrink_plan` and `stream.take_shrink` after every
+  engine step of a round without a race (as `StreamTrainer.on_progress`); the freed GPUs then compute the
+  gradients of groups as they complete;
+* StreamRL's skew placement is `skew.plan_placement` with the workload's own mean lengths as the ranker's
+  predictions (an oracle; `Scheduler(order="lpt")` admits longest first), its GPU split
+  `balance.best_split` over stage times measured in the baseline row;
+* the training-side stages (log-prob forwards, the update, the weight sync) take the cost model's time for
+  the step's trained tokens; with a single controller (no `multi_controller`) every sample's fields also
+  cross the driver `cluster.driver_transfers` times at `cluster.driver_bytes_per_s`.
+
+Colocated rows run their stages one after the other on all GPUs. Disaggregated rows run the rollout on the
+generation pool while the training pool takes each scored group as it arrives (dynamic-batch pipelining);
+with `async_steps` the next rollout starts when this one ends, on weights one step old.
+
+Simplified (stated): the whole cluster is one engine loop (every instance steps in lockstep, as one
+process drives them; across nodes the processes of a real run step independently except where the
+race's gather makes them agree every step); the training-side stages are costed per step, not simulated
+kernel by kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxrl.config.base import ConfigError
+from jaxrl.rewards.scheduler import RewardScheduler
+from jaxrl.rewards.timeouts import AdaptiveTimeouts
+from jaxrl.rollout import skew
+from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layout, total_preemptions
+from jaxrl.rollout.tail_batching import TailBatcher
+from jaxrl.train import rl
+from jaxrl.train.pipeline import Timeline
+from jaxrl.train.rounds import tail_round
+from jaxrl.train.stream import milestone_due, shrink_plan, take_shrink
+
+from .config import SimConfig, mechanisms_of
+from .cost import attended_pairs
+from .engine import EOS, Clock, SimService
+from .rewards import SimRewardPool, SimTokenizer
+
+
+def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | None, prompt_len: int):
+    """The `TrainConfig` of a row (its checks refuse what a training run refuses)."""
+    from jaxrl.config.sections import ModelSection
+    from jaxrl.config.train import DataSection, TrainConfig, TrainerSection
+
+    m = set(mechanisms)
+    e, r = cfg.engine, cfg.rollout
+    if gen_gpus % e.tp:
+        raise ConfigError("engine.tp", f"{e.tp} does not divide the rollout pool's {gen_gpus} GPUs")
+    # the engine's pools come from the cost model's memory budget (`cost.pages`); the planner's check wants one said
+    budget = e.kv_memory_fraction if (e.kv_memory_fraction or e.kv_bytes_per_device or e.num_pages) else 0.85
+    try:
+        return TrainConfig(
+            model=ModelSection(preset=cfg.model, dtype=cfg.cluster.dtype),
+            data=DataSection(max_prompt_len=prompt_len),
+            rollout=dataclasses.replace(r, tail_batching=dataclasses.replace(r.tail_batching, enabled="tail_batching" in m),
+                                        skew=dataclasses.replace(r.skew, enabled="skew" in m)),
+            engine=dataclasses.replace(e, instances=gen_gpus // e.tp, kv_memory_fraction=budget,
+                                       adaptive_tp=dataclasses.replace(e.adaptive_tp, enabled="pat" in m, warm=True,
+                                                                       profile=profile if "pat" in m else e.adaptive_tp.profile),
+                                       planner=dataclasses.replace(e.planner, enabled="planner" in m)),
+            algo=cfg.algo,
+            trainer=TrainerSection(stream=dataclasses.replace(cfg.stream, enabled="stream_trainer" in m),
+                                   async_steps=int("async_steps" in m)),
+            placement="disaggregated" if m & {"disaggregated", "async_steps"} else "colocated",
+            seed=cfg.seed, steps=cfg.steps)
+    except ConfigError as err:
+        raise ConfigError(err.key, f"{err.message} (simulator row with {'+'.join(sorted(m)) or 'baseline'})") from None
+
+
+@dataclasses.dataclass
+class StepRecord:
+    step: int
+    kind: str = "sync"                  # round type: sync, short, long
+    start: float = 0.0
+    end: float = 0.0
+    step_s: float = 0.0
+    rollout_s: float = 0.0              # first engine step to the last
+    reward_s: float = 0.0               # waiting for rewards after the last engine step
+    forward_s: float = 0.0              # log-prob forwards (old policy, reference)
+    train_s: float = 0.0                # the update (its part after the rollout)
+    sync_s: float = 0.0
+    driver_s: float = 0.0
+    switch_s: float = 0.0               # PAT / planner relayouts
+    engine_steps: int = 0
+    preemptions: int = 0
+    switches: int = 0
+    tp: str = ""
+    prompts: int = 0
+    samples: int = 0
+    response_tokens: int = 0
+    max_response: int = 0
+    aborted: int = 0
+    wasted_tokens: int = 0
+    queue: int = 0
+    shrunk_at: float = 0.0              # stream trainer: fraction of requests finished when GPUs were freed (0: never)
+    early_train_s: float = 0.0          # stream trainer / disaggregated: train work done while the rollout ran
+
+
+class _Worker:
+    """A device pool's FIFO queue of work items on the virtual clock."""
+
+    def __init__(self, timeline: Timeline, pool: str, devices: int, seconds):
+        self.timeline, self.pool, self.devices, self.seconds = timeline, pool, devices, seconds
+        self.free = 0.0
+        self.spans: list[tuple[float, float]] = []
+
+    def submit(self, at: float, tokens: float, attended: float) -> None:
+        start = max(self.free, at)
+        self.free = start + self.seconds(tokens, attended, self.devices)
+        self.spans.append((start, self.free))
+
+    def done_by(self, t: float) -> float:
+        """Seconds of work finished by time `t`."""
+        return sum(min(max(0.0, t - a), b - a) for a, b in self.spans)
+
+    def flush(self, until: float = math.inf) -> None:
+        """Put the spans (cut at `until`) on the timeline."""
+        for a, b in self.spans:
+            if a < until:
+                self.timeline.add(self.pool, "grad", a, min(b, until))
+
+
+class RowSim:
+    """`steps` RL steps of the mechanisms of `row` (see the module docstring)."""
+
+    def __init__(self, cfg: SimConfig, row: str, cost, workload, *, profile: str | None = None,
+                 split: tuple[int, int] | None = None, stage_times: tuple[float, float] | None = None):
+        self.cfg, self.row, self.cost, self.workload = cfg, row, cost, workload
+        self.m = set(mechanisms_of(row))
+        if "async_steps" in self.m:
+            self.m.add("disaggregated")
+        G = cfg.cluster.gpus
+        self.disagg = "disaggregated" in self.m
+        if self.disagg:
+            if split is None:
+                raise ValueError("a disaggregated row needs the GPU split")
+            self.gen_gpus, self.train_gpus = split
+        else:
+            self.gen_gpus = self.train_gpus = G
+        from models import preset
+
+        self.model = preset(cfg.model)
+        self.tc = train_config(cfg, self.m, gen_gpus=self.gen_gpus, profile=profile,
+                               prompt_len=max(workload.prompt_tokens(i) for i in range(min(workload.prompts, 4096))))
+        e, tc = self.tc.engine, self.tc
+        self.clock = Clock()
+        self.timeline = Timeline()
+        self.timeline.t0 = 0.0
+        order = "lpt" if "skew" in self.m and tc.rollout.skew.lpt else "fcfs"
+        self.svc = SimService(self.model, cost, self.clock, devices=self.gen_gpus, lengths=self._lengths, tp=e.tp,
+                              instances=e.instances, num_pages=e.num_pages, page_size=e.page_size,
+                              max_batch=e.max_batch, max_seq_len=e.max_seq_len, prefill_chunk=e.prefill_chunk,
+                              prefill_tokens=e.prefill_tokens, prefix_sharing=e.prefix_sharing, overlap=e.overlap,
+                              batch_buckets_per_octave=e.batch_buckets_per_octave, page_buckets=e.page_buckets,
+                              order=order, timeline=self.timeline, host_step_s=cfg.cluster.host_step_s)
+        self.svc.observers.append(self._engine_step)
+        self.svc.adaptive = e.adaptive_tp.build(self.gen_gpus, self.model) if "pat" in self.m else None
+        a = tc.algo
+        tb = tc.rollout.tail_batching
+        self.tail = TailBatcher(a.prompts_per_step, a.group_size, tb.eta_prompts, tb.eta_responses) \
+            if "tail_batching" in self.m else None
+        self.planner = TPPlanner(self.gen_gpus, self.model, e.tp, rise=e.planner.rise, calm_steps=e.planner.calm_steps,
+                                 max_tp=e.planner.max_tp) if "planner" in self.m else None
+        at = tc.rewards.adaptive_timeout
+        self.pool = SimRewardPool(self.clock, workload, workers=cfg.cluster.reward_workers,
+                                  timeout_s=cfg.cluster.reward_timeout_s, timeline=self.timeline,
+                                  timeouts=AdaptiveTimeouts(at.lam, at.t_min, cfg.cluster.reward_timeout_s,
+                                                            enabled="async_reward" in self.m))
+        self.rewards = RewardScheduler(self.pool)
+        self.history: collections.deque = collections.deque(maxlen=tc.trainer.stream.history)
+        self.recent: collections.deque = collections.deque(maxlen=tc.rollout.skew.ranker.history)
+        self.cursor = 0
+        self.seed_rows: dict[int, int] = {}
+        self.stage_times = stage_times
+        self.records: list[StepRecord] = []
+        self._last_engine = 0.0
+        self._gen_free = self._weights_ready = 0.0
+        self._prev_weights_ready = 0.0
+        self.retired_preemptions = 0
+
+    # ------------------------------------------------------------------ the workload as a dataset
+    def _lengths(self, prompt, params) -> list[int]:
+        index = self.seed_rows[params.seed]
+        return self.workload.lengths(index, params.n)
+
+    def dataset_row(self, index: int) -> dict:
+        index = int(index) % self.workload.prompts
+        return {"index": index, "answer": str(index), "task": "sim", "reward": "sim"}
+
+    def draw(self, n: int | None = None) -> list[dict]:
+        n = n or (self.tail.launch if self.tail else self.tc.algo.prompts_per_step)
+        rows = [self.dataset_row(self.cursor + k) for k in range(n)]
+        self.cursor += n
+        return rows
+
+    def __getitem__(self, index: int) -> dict:          # the dataset tail rounds read queued prompts from
+        return self.dataset_row(index)
+
+    def _engine_step(self, t0: float, t1: float) -> None:
+        self._last_engine = t1
+
+    # ------------------------------------------------------------------ one step
+    def _rollout(self, step: int, rec: StepRecord, hooks: dict):
+        streamed = "async_reward" in self.m or self.disagg
+
+        def rollout(rows, race=None, responses=None):
+            prompts = [[3] * self.workload.prompt_tokens(r["index"]) for r in rows]
+            for r in rows:
+                seed = rl.request_seed(self.tc.seed, step, int(r["index"]))
+                if self.seed_rows.get(seed, r["index"]) != r["index"]:
+                    raise RuntimeError(f"request seed collision at step {step}: rows {self.seed_rows[seed]} and "
+                                       f"{r['index']}")
+                self.seed_rows[seed] = r["index"]
+            kw = dict(hooks)
+            if "skew" in self.m:
+                kw["route"] = self._place
+            comps, rewards, st = rl.rollout_and_score(self.svc, self.rewards, SimTokenizer(), self.tc, prompts, rows,
+                                                      step, (EOS,), race=race, responses=responses, score=streamed,
+                                                      **kw)
+            if not streamed:
+                t0 = self.clock()
+                G = len(comps) // max(1, len(st["accepted"]))
+                rewards, _ = rl.score_batch(self.rewards, SimTokenizer(), self.tc, [rows[p] for p in st["accepted"]],
+                                            comps, G)
+                rec.reward_s += self.clock() - t0
+            return comps, rewards, st
+
+        return rollout
+
+    def _place(self, prompts):
+        """StreamRL's placement with the workload's mean lengths as the predictions (an oracle ranker)."""
+        sk, svc = self.tc.rollout.skew, self.svc
+        predicted = [float(np.mean(self.workload.lengths(i, self.tc.algo.group_size))) for i in self._placing]
+        ptl = skew.linear_ptl(sk.ptl_base_s, sk.ptl_per_seq_s)
+        plan = skew.plan_placement(predicted, instances=len(svc.instances), group_size=self.tc.algo.group_size,
+                                   cap=min(i.max_batch for i in svc.instances), ptl=ptl, lengths=list(self.recent),
+                                   alpha=sk.alpha, default_length=self.tc.rollout.max_new_tokens)
+        svc.set_batch_caps(plan.caps)
+        return list(plan.instance), list(plan.priority if sk.lpt else [0.0] * len(prompts))
+
+    def step(self, k: int) -> StepRecord:
+        cfg, tc, svc, clock = self.cfg, self.tc, self.svc, self.clock
+        rec = StepRecord(step=k)
+        start = self._step_start()
+        clock.now = start
+        rec.start = start
+        rec.tp = "x".join(map(str, svc.layout[:1])) + f"x{len(svc.layout)}"
+        pre0 = total_preemptions(svc) + self._retired()
+        sw0 = len(svc.relayouts)
+        hooks, early = self._hooks(rec)
+        rollout = self._rollout(k, rec, hooks)
+        if self.tail:
+            tb = tc.rollout.tail_batching
+            self._placing = []
+            got = tail_round(self.tail, lambda: self._drawn(self.draw()), self, k, self._tracked(rollout),
+                             dynamic_sampling=tb.dynamic_sampling, max_waves=tb.max_waves)
+            rows, comps, st = got.rows, got.completions, got.stats
+            rec.kind, rec.queue = got.plan.kind, len(self.tail.queue)
+        else:
+            rows = self._drawn(self.draw())
+            comps, _, st = self._tracked(rollout)(rows)
+        rollout_end = self._last_engine
+        rec.rollout_s = rollout_end - start
+        rec.reward_s = max(rec.reward_s, clock() - rollout_end)
+        rec.engine_steps, rec.aborted, rec.wasted_tokens = st["engine_steps"], st["aborted"], st["wasted_tokens"]
+        rec.preemptions = total_preemptions(svc) + self._retired() - pre0
+        rec.switches = sum(1 for r in svc.relayouts[sw0:] if r.old_layout != r.new_layout)
+        rec.switch_s = sum(r.seconds for r in svc.relayouts[sw0:])
+        self.history.extend(len(c.tokens) for c in comps)
+        self.recent.extend(len(c.tokens) for c in comps)
+        rec.prompts, rec.samples = len(rows), len(comps)
+        resp = np.asarray([len(c.tokens) for c in comps], np.float64)
+        prompt = np.asarray([len(c.prompt) for c in comps], np.float64)
+        rec.response_tokens, rec.max_response = int(resp.sum()), int(resp.max(initial=0))
+        tokens, attended = float(resp.sum() + prompt.sum()), attended_pairs(prompt, resp)
+        if self.planner:
+            self.planner.decide(rec.kind, int(rec.preemptions))
+        self._finish(rec, tokens, attended, early, clock())
+        self.records.append(rec)
+        return rec
+
+    def _drawn(self, rows):
+        self._placing = [r["index"] for r in rows]
+        return rows
+
+    def _tracked(self, rollout):
+        def run(rows, race=None, responses=None):
+            self._placing = [r["index"] for r in rows]
+            return rollout(rows, race, responses)
+        return run
+
+    def _retired(self) -> int:
+        return self.svc.retired_preemptions
+
+    def _step_start(self) -> float:
+        if not self.records:
+            return 0.0
+        if "async_steps" in self.m:      # on weights one step old: wait for the previous step's sync only
+            return max(self._gen_free, self._prev_weights_ready)
+        return max(self._gen_free, self._weights_ready)
+
+    def _hooks(self, rec: StepRecord):
+        """Stream trainer / disaggregated pipelining: the hooks of `rollout_and_score` and the train worker."""
+        forwards = 1 + int(self.tc.algo.kl_coef > 0)
+
+        def work(tokens, attended, devices):
+            return forwards * self.cost.forward_s(tokens, attended, devices) + self.cost.train_s(tokens, attended, devices)
+
+        if self.disagg:
+            worker = _Worker(self.timeline, "train", self.train_gpus, work)
+            worker.free = max(self._weights_ready, rec.start)
+
+            def on_group(p, comps, rewards):
+                resp = np.asarray([len(c.tokens) for c in comps], np.float64)
+                prompt = np.asarray([len(c.prompt) for c in comps], np.float64)
+                worker.submit(self.clock(), float(resp.sum() + prompt.sum()), attended_pairs(prompt, resp))
+
+            return {"on_group": on_group}, worker
+        if "stream_trainer" not in self.m:
+            return {}, None
+        s = self.tc.trainer.stream
+        state = {"last": 0, "freed": None, "held": []}
+        worker = _Worker(self.timeline, "freed", self.gen_gpus // 2, work)
+
+        def on_step(finished, total):
+            if state["freed"] is not None or not milestone_due(finished, total, state["last"], start=s.start,
+                                                               stop=s.stop, step=s.step):
+                return
+            state["last"] = finished
+            plan = shrink_plan(self.svc, s, self.history)
+            if not plan.ok:
+                return
+            take_shrink(self.svc, plan)
+            state["freed"] = plan.freed
+            rec.shrunk_at = finished / total
+            worker.free = self.clock()
+            for tokens, attended in state["held"]:
+                worker.submit(self.clock(), tokens, attended)
+
+        def on_group(p, comps, rewards):
+            resp = np.asarray([len(c.tokens) for c in comps], np.float64)
+            prompt = np.asarray([len(c.prompt) for c in comps], np.float64)
+            item = (float(resp.sum() + prompt.sum()), attended_pairs(prompt, resp))
+            if state["freed"] is None:
+                state["held"].append(item)
+            else:
+                worker.submit(self.clock(), *item)
+
+        return {"on_step": on_step, "on_group": on_group}, worker
+
+    def _finish(self, rec: StepRecord, tokens: float, attended: float, early, now: float) -> None:
+        """The training side of the step and the weight sync; sets rec.end and the pools' next free times."""
+        cost, cfg, tl = self.cost, self.cfg, self.timeline
+        forwards = 1 + int(self.tc.algo.kl_coef > 0)
+        rollout_end = rec.start + rec.rollout_s
+        if not self.disagg:
+            t = now
+            if "multi_controller" not in self.m:
+                rec.driver_s = cfg.cluster.driver_transfers * tokens * cfg.cluster.driver_bytes_per_token \
+                    / cfg.cluster.driver_bytes_per_s
+                tl.add("driver", "driver", t, t + rec.driver_s)
+                t += rec.driver_s
+            fwd = forwards * cost.forward_s(tokens, attended, self.train_gpus)
+            train = cost.train_s(tokens, attended, self.train_gpus)
+            if early is not None and rec.shrunk_at:          # stream trainer: the freed GPUs' share is done
+                whole = forwards * cost.forward_s(tokens, attended, early.devices) + \
+                    cost.train_s(tokens, attended, early.devices)
+                rec.early_train_s = early.done_by(now)
+                share = min(1.0, rec.early_train_s / whole) if whole else 0.0
+                fwd, train = fwd * (1 - share), train * (1 - share)
+                early.flush(now)
+            rec.forward_s, rec.train_s = fwd, train
+            for kind, s in (("forward", fwd), ("train", train)):
+                tl.add("train", kind, t, t + s)
+                t += s
+            self._finish_sync(rec, t, across=False)
+            self._gen_free = rec.end
+            return
+        # disaggregated: the train pool took each group as it was scored
+        t = max(now, early.free)
+        rec.early_train_s = early.done_by(now)
+        early.flush()
+        rec.train_s = t - now
+        self._gen_free = rollout_end
+        self._finish_sync(rec, t, across=True)
+
+    def _finish_sync(self, rec: StepRecord, t: float, *, across: bool) -> None:
+        """The weight sync (and the layout of the next step: PAT home, the planner's choice)."""
+        svc = self.svc
+        rec.sync_s = self.cost.sync_s(self.gen_gpus, across_pools=across)
+        self.timeline.add("train", "sync", t, t + rec.sync_s)
+        t += rec.sync_s
+        self.clock.now = max(self.clock.now, t)
+        before = len(svc.relayouts)
+        if self.planner:
+            kind = self.tail.next_kind() if self.tail else "sync"
+            apply_layout(svc, self.planner.layout_for(kind), weights=object())
+        elif svc.adaptive is not None:
+            e = self.tc.engine
+            svc.adaptive.home(svc, RolloutLayout(e.tp, e.instances), weights=object())
+        moved = svc.relayouts[before:]
+        t += sum(r.seconds for r in moved)
+        rec.switch_s += sum(r.seconds for r in moved)
+        self._prev_weights_ready = self._weights_ready
+        self._weights_ready = t
+        rec.end = t
+        prev_end = self.records[-1].end if self.records else 0.0
+        rec.step_s = rec.end - prev_end
+
+    def run(self, progress=None) -> list[StepRecord]:
+        for k in range(self.cfg.steps):
+            self.step(k)
+            if progress is not None:
+                progress(self.records[-1])
+        return self.records
+
+
+def summarize(records: list[StepRecord], mechanisms) -> dict:
+    """A row of summary.json: totals and per-step means over the row's steps."""
+    n = len(records)
+    total = records[-1].end if records else 0.0
+    prompts = sum(r.prompts for r in records)
+    mean = lambda f: float(np.mean([getattr(r, f) for r in records])) if records else 0.0
+    kinds = collections.Counter(r.kind for r in records)
+    return {"mechanisms": list(mechanisms), "steps": n, "seconds": total, "step_s": total / max(n, 1),
+            "s_per_prompt": total / max(prompts, 1), "rollout_s": mean("rollout_s"), "reward_s": mean("reward_s"),
+            "forward_s": mean("forward_s"), "train_s": mean("train_s"), "sync_s": mean("sync_s"),
+            "driver_s": mean("driver_s"), "switch_s": mean("switch_s"), "engine_steps": mean("engine_steps"),
+            "preemptions": int(sum(r.preemptions for r in records)), "switches": int(sum(r.switches for r in records)),
+            "rounds": dict(kinds), "tokens_per_s": sum(r.response_tokens for r in records) / max(total, 1e-9),
+            "wasted_tokens": int(sum(r.wasted_tokens for r in records)),
+            "max_response": int(max((r.max_response for r in records), default=0)),
+            "early_train_s": mean("early_train_s")}
+
+
+__all__ = ["RowSim", "StepRecord", "summarize", "train_config"]
