@@ -161,6 +161,7 @@ class SimConfig(Section):
     stream: StreamSection = dataclasses.field(default_factory=lambda: StreamSection(enabled=True))   # trainer.stream when the row has stream_trainer
     rows: tuple[str, ...] = ("baseline", "pat", "tail_batching", "rollpacker", "streamrl", "distflow", "all")
     steps: int = 10                         # RL steps per row (a tail-batching period is 5)
+    prompts_per_gpu: int | None = None      # set: algo.prompts_per_step = this x cluster.gpus (weak scaling)
     seed: int = 0
     sweep: str | None = None                # a dotted key to sweep (e.g. cluster.gpus), with `values`
     values: tuple[str, ...] = ()            # the sweep's values (parsed by the key's type)
@@ -168,6 +169,8 @@ class SimConfig(Section):
 
     def __post_init__(self):
         check_int("steps", self.steps, minimum=1)
+        if self.prompts_per_gpu is not None:
+            check_int("prompts_per_gpu", self.prompts_per_gpu, minimum=1)
         for r in self.rows:
             mechanisms_of(r)
         if self.sweep is not None and not self.values:

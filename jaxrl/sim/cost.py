@@ -40,8 +40,17 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 
 def kv_shards(cfg: ModelConfig, tp: int) -> int:
-    """Ranks a page's bytes are split over: tp while the KV heads shard, the head count once they replicate."""
-    return min(tp, cfg.num_kv_heads)
+    """Ranks a page's bytes are split over: tp when it divides the KV heads; otherwise the rollout rules
+    replicate the heads (`sharding.ShardingRules.rollout`) and every rank holds the whole page."""
+    return tp if cfg.num_kv_heads % tp == 0 else 1
+
+
+def weight_shard_bytes(cfg: ModelConfig, tp: int, dtype_bytes: int) -> float:
+    """Weight bytes on one rank of a TP group: everything split tp ways but the K/V projections, which every
+    rank holds whole once the KV heads replicate (tp does not divide them), as the rollout rules lay them out."""
+    kv = cfg.num_layers * 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+    split = cfg.param_count() - (kv if cfg.num_kv_heads % tp else 0)
+    return (split / tp + (kv if cfg.num_kv_heads % tp else 0)) * dtype_bytes
 
 
 def train_flops(cfg: ModelConfig, tokens: float, attended: float) -> float:
@@ -166,7 +175,8 @@ class AnalyticCost(_Common):
     def decode_s(self, tp: int, contexts: np.ndarray, *, rows: int = 0, width: int = 0) -> float:
         hw, cfg = self.hw, self.cfg
         b, ctx = len(contexts), float(np.sum(contexts))
-        memory = (self.read_bytes / tp + ctx * self.kv_token / kv_shards(cfg, tp)) / (hw.hbm_bw * hw.hbm_efficiency)
+        weights = self.read_bytes / tp + weight_shard_bytes(cfg, tp, self.dtype_bytes) - self.weight_bytes / tp
+        memory = (weights + ctx * self.kv_token / kv_shards(cfg, tp)) / (hw.hbm_bw * hw.hbm_efficiency)
         flops = (2.0 * self.active * b + 4.0 * cfg.num_layers * self.q_width * ctx) / tp
         compute = flops / (hw.peak_flops * hw.decode_flops_efficiency)
         comm = 2 * cfg.num_layers * self.allreduce_s(tp, b * cfg.hidden_size * self.dtype_bytes)
@@ -191,7 +201,7 @@ class AnalyticCost(_Common):
         """(HBM x kv_memory_fraction − weight shard) / one page's bytes on a GPU, as `rollout.memory` counts."""
         if self.num_pages:
             return self.num_pages
-        budget = self.hw.memory_bytes * self.hw.kv_memory_fraction - self.weight_bytes / tp
+        budget = self.hw.memory_bytes * self.hw.kv_memory_fraction - weight_shard_bytes(cfg, tp, self.dtype_bytes)
         per_page = page_size * self.kv_token / kv_shards(cfg, tp)
         pages = int(budget // per_page)
         if pages < 2:

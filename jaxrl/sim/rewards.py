@@ -46,7 +46,7 @@ class SimRewardPool:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")
         self.clock, self.workload, self.timeout_s = clock, workload, float(timeout_s)
-        self.timeouts = timeouts or AdaptiveTimeouts(t_max=timeout_s, enabled=False)
+        self.timeouts = timeouts if timeouts is not None else AdaptiveTimeouts(t_max=timeout_s, enabled=False)
         self.timeline = timeline
         self._free = [0.0] * workers                    # when each worker is next free (a heap)
         self._ids = itertools.count()

@@ -1,0 +1,120 @@
+"""Simulate every row of a `SimConfig` (and every point of its sweep): the table behind summary.json.
+
+    result = simulate(cfg, out=Path("runs/sim"))     # {"rows": [...], "workload": {...}, "cost": ...}
+
+The baseline row runs first (every row's `speedup_vs_baseline` is the baseline's seconds per trained prompt
+over the row's). A disaggregated row splits the GPUs with StreamRL's `balance.best_split`, fed the
+baseline's measured stage times scaled by device count (`balance.scaled`). PAT needs a latency profile:
+with the analytic cost model the profiler runs against it (`profile.simulated_profile`), written to
+`out/pat_profile.json`; with a measured profile (`cluster.profile`) that file is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from jaxrl.config.base import ConfigError
+from jaxrl.train.balance import best_split, scaled
+
+from .config import SimConfig, mechanisms_of
+from .run import RowSim, summarize
+
+
+def build_cost(cfg: SimConfig, model):
+    from .cost import AnalyticCost, ProfileCost, StageRates
+    from .hardware import gpu
+
+    c = cfg.cluster
+    if c.profile is None:
+        return AnalyticCost(model, gpu(c.gpu), dtype_bytes=c.dtype_bytes, num_pages=cfg.engine.num_pages)
+    from jaxrl.rollout.adaptive_tp import Profile
+
+    path = Path(c.profile).expanduser()
+    if not path.is_file():
+        raise ConfigError("cluster.profile", f"{path.absolute()}: no such file (python -m jaxrl.rollout.profile writes one)")
+    return ProfileCost(Profile.load(path), model, dtype_bytes=c.dtype_bytes, num_pages=cfg.engine.num_pages,
+                       stages=StageRates(c.train_s_per_token, c.forward_s_per_token, c.sync_s))
+
+
+def _pat_profile(cfg: SimConfig, model, cost, out: Path) -> str:
+    if cfg.cluster.profile is not None:
+        return str(Path(cfg.cluster.profile).expanduser())
+    from .profile import simulated_profile
+
+    node = min(8, cfg.cluster.gpus)
+    prof = simulated_profile(cost, model, cfg.engine, node, candidates=cfg.engine.adaptive_tp.candidates or None)
+    prof.key["devices"] = None                 # a TP group's latency: valid for a pool of any size
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "pat_profile.json"
+    prof.save(path)
+    return str(path)
+
+
+def simulate(cfg: SimConfig, *, out: Path, progress: bool = True) -> dict:
+    """Every row's summary (see the module docstring); with `progress` a line per simulated step on stderr."""
+    from models import preset
+
+    model = preset(cfg.model)
+    cost = build_cost(cfg, model)
+    workload = cfg.workload.build(cfg.rollout.max_new_tokens)
+    rows = list(dict.fromkeys(("baseline",) + tuple(cfg.rows)))
+    profile = _pat_profile(cfg, model, cost, out) if any("pat" in mechanisms_of(r) for r in rows) else None
+    if cfg.prompts_per_gpu is not None:
+        cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, prompts_per_step=cfg.prompts_per_gpu * cfg.cluster.gpus))
+    results, base, timelines, records_by_row = [], None, {}, {}
+    for row in rows:
+        t0 = time.perf_counter()
+        split = None
+        m = set(mechanisms_of(row))
+        if m & {"disaggregated", "async_steps"}:
+            split = _split(cfg, base)
+        sim = RowSim(cfg, row, cost, workload, profile=profile, split=split)
+
+        def show(rec, row=row):
+            if progress:
+                print(f"[sim] {row:>14} step {rec.step:3d} {rec.kind:5s} {rec.step_s:9.2f} s (rollout {rec.rollout_s:8.2f} s, "
+                      f"{rec.engine_steps} engine steps, {rec.preemptions} preemptions, {rec.switches} switches)",
+                      file=sys.stderr, flush=True)
+
+        records = sim.run(show)
+        summary = summarize(records, mechanisms_of(row)) | {"row": row, "gen_gpus": sim.gen_gpus,
+                                                            "train_gpus": sim.train_gpus,
+                                                            "wall_s": time.perf_counter() - t0}
+        if row == "baseline":
+            base = summary
+        summary["speedup_vs_baseline"] = base["s_per_prompt"] / summary["s_per_prompt"] if base else 1.0
+        results.append(summary)
+        timelines[row] = sim.timeline
+        records_by_row[row] = [dataclasses.asdict(r) for r in records]
+    return {"rows": results, "workload": workload.summary(), "cost": cost.name, "model": cfg.model,
+            "gpus": cfg.cluster.gpus, "steps": cfg.steps, "prompts_per_step": cfg.algo.prompts_per_step,
+            "group_size": cfg.algo.group_size, "timelines": timelines, "steps_by_row": records_by_row}
+
+
+def _split(cfg: SimConfig, base: dict | None) -> tuple[int, int]:
+    """StreamRL's static split of the cluster from the baseline's stage times (generation = rollout + reward,
+    training = forwards + update), each scaled by device count."""
+    G, tp = cfg.cluster.gpus, cfg.engine.tp
+    if base is None:
+        raise ValueError("the baseline row runs first")
+    t_gen = scaled(base["rollout_s"] + base["reward_s"], G)
+    t_train = scaled(base["forward_s"] + base["train_s"], G)
+    sizes = [s for s in range(tp, G, tp)]
+    x, y, _ = best_split(G, tp, sizes, t_gen, t_train)
+    return x, y
+
+
+def apply_sweep(cfg: SimConfig, value: str) -> SimConfig:
+    """`cfg` with its sweep key set to `value` (read by the key's type, as on the command line)."""
+    from jaxrl.config.loading import load_config, to_yaml
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(to_yaml(dataclasses.replace(cfg, sweep=None, values=())))
+    try:
+        return load_config(SimConfig, ["--config", f.name, f"{cfg.sweep}={value}"])
+    finally:
+        Path(f.name).unlink()
