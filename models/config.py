@@ -113,6 +113,12 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-7b": ModelConfig(architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                               num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0,
                               rms_norm_eps=1e-6, max_position_embeddings=32768, qkv_bias=True),
+    "qwen2.5-14b": ModelConfig(architecture="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                               num_layers=48, num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                               rms_norm_eps=1e-5, max_position_embeddings=131072, qkv_bias=True),
+    "qwen2.5-32b": ModelConfig(architecture="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                               num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                               rms_norm_eps=1e-5, max_position_embeddings=131072, qkv_bias=True),
     # Tiny test/demo models: same code paths (GQA, head_dim != hidden/heads, bias, qk-norm, rope scaling, tying).
     "tiny-qwen3": ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0,

@@ -59,13 +59,18 @@ class LayoutProfile:
     """Measurements of one layout (TP size, instances = devices / tp), for one TP group:
     `decode` rows (batch, context, seconds per decode step), `prefill` rows (batch, length, seconds),
     `compile_seconds` (its whole step set, for a layout seen the first time), `shapes`: the padded decode
-    shapes its instances run ({"batch", "pages", "page_size"}: `Padded`), None for a paged kernel."""
+    shapes its instances run ({"batch", "pages", "page_size"}: `Padded`), None for a paged kernel;
+    `contention`: [(batch, κ)], how much the layout's instances slow each other when all decode at once, as a
+    fraction of perfectly serial (a step of all n instances takes t·(1 + κ·(n − 1)) when one alone takes t),
+    per batch size: 0 on devices of their own (a GPU), up to 1 where fake devices share the CPU's cores
+    (the simulator reads it; PAT's predictor, per TP group, does not)."""
 
     tp: int
     decode: list[tuple[int, int, float]]
     prefill: list[tuple[int, int, float]]
     compile_seconds: float = 0.0
     shapes: dict | None = None
+    contention: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -91,7 +96,7 @@ class Profile:
                 "control_seconds": self.control_seconds,
                 "layouts": {str(tp): {"tp": lp.tp, "decode": [list(r) for r in lp.decode],
                                       "prefill": [list(r) for r in lp.prefill], "compile_seconds": lp.compile_seconds,
-                                      "shapes": lp.shapes}
+                                      "shapes": lp.shapes, "contention": [list(c) for c in lp.contention]}
                             for tp, lp in sorted(self.layouts.items())}}
 
     @classmethod
@@ -100,7 +105,8 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')!r}, this code reads {PROFILE_VERSION}: re-profile")
         layouts = {int(k): LayoutProfile(int(v["tp"]), [(int(b), int(n), float(s)) for b, n, s in v["decode"]],
                                          [(int(b), int(n), float(s)) for b, n, s in v["prefill"]],
-                                         float(v.get("compile_seconds", 0.0)), v.get("shapes"))
+                                         float(v.get("compile_seconds", 0.0)), v.get("shapes"),
+                                         [(int(b), float(k)) for b, k in v.get("contention", [])])
                    for k, v in d["layouts"].items()}
         return cls(dict(d["key"]), layouts, float(d["migrate_bytes_per_s"]),
                    {str(k): float(v) for k, v in d["reshard_seconds"].items()}, int(d["layers"]),

@@ -9,7 +9,8 @@ group:
   (denser below 512), kept where B·(L + decode_steps) ≤ T_cap, the instance's KV pool in tokens (from
   the engine's page budget). Per point, B random-token prompts of length L are prefilled (their prefill
   time recorded: T_prefill(B, L)), then `decode_steps` decode steps are timed and averaged (60 on a GPU
-  as in the paper; fewer on the CPU by setting it). A step's context is L + its index, so the row is
+  as in the paper; fewer on the CPU by setting it), with the engine's own `overlap` (on: step n+1 is
+  dispatched before n is read, so the time is the steady-state step with the host's work hidden). A step's context is L + its index, so the row is
   recorded at the mean context L + (decode_steps + 1) / 2;
 * shapes: with the XLA decode path, the padded decode shapes the layout's instances run (rows ladder,
   page-table widths), so the predictor can map a batch to the shape it actually runs (`adaptive_tp.Padded`);
@@ -19,7 +20,10 @@ group:
   (`reshard_seconds`: the control overhead of a switch rides in it), and the KV migration bandwidth,
   calibrated so that Eq. 2 reproduces a measured (warm: the same move made once before) migration:
   B_net = S_kv^rank (Eq. 1 of the moved sequences) / the measured KV-move seconds;
-* the controller's own time for one Algorithm 1 evaluation (`control_seconds`).
+* the controller's own time for one Algorithm 1 evaluation (`control_seconds`);
+* per layout, how much its instances slow each other decoding at once (`contention`: at the middle context,
+  the smallest and largest batch on every instance against instance 0 alone; ~0 on a GPU, near 1 where
+  fake devices share the CPU's cores: the simulator's CPU model needs it).
 
 The profile (JSON) is keyed by (model shape, device kind, dtype, pool size, engine shape, decode_steps)
 and cached under `cache_dir`: a second run with the same key loads it (`force=true` re-measures). A PNG of
@@ -89,11 +93,52 @@ def measure_point(svc, rng, batch: int, length: int, decode_steps: int, vocab: i
     t1 = timer()
     for _ in range(decode_steps):
         svc.step()
-    svc.pause()                                     # drain the in-flight step: its time counts
+    # each step reads one result: with the engine's overlap (step n+1 in flight while n is read) this is the
+    # steady-state step the engine runs, host work hidden behind the device's; without, host + device
     decode = (timer() - t1) / decode_steps
+    svc.pause()
     for r in rids:
         svc.abort(r)
     return prefill, decode
+
+
+def _decode_time(svc, rng, batch: int, length: int, decode_steps: int, vocab: int, instances, timer) -> float:
+    """Seconds per decode step with `batch` prompts of `length` tokens on each of `instances` (as in
+    `measure_point`: every sequence running, then `decode_steps` steps timed, the in-flight one drained)."""
+    from jaxrl.rollout import SamplingParams
+
+    params = SamplingParams(max_new_tokens=decode_steps + 2, temperature=0.0, stop_token_ids=())
+    rids = [svc.add(p, params, instance=i)[0] for i in instances for p in _prompts(rng, batch, length, vocab)]
+    while True:
+        svc.step()
+        stats = {s["request_id"]: s for s in svc.sequence_stats()}
+        if all(r in stats and stats[r]["generated"] >= 1 and stats[r]["state"] == "running" for r in rids):
+            break
+    t1 = timer()
+    for _ in range(decode_steps):
+        svc.step()
+    out = (timer() - t1) / decode_steps
+    svc.pause()
+    for r in rids:
+        svc.abort(r)
+    return out
+
+
+def measure_contention(svc, rng, batches, length: int, decode_steps: int, vocab: int,
+                       timer=time.perf_counter, repeats: int = 3) -> list[tuple[int, float]]:
+    """`LayoutProfile.contention`: per batch size, κ = (t_all / t_one − 1) / (n − 1) from the decode step with
+    every one of the layout's n instances busy (t_all) and with instance 0 alone (t_one), measured back to
+    back, the median of `repeats`."""
+    n = len(svc.instances)
+    out = []
+    for b in batches:
+        ratios = []
+        for _ in range(repeats):
+            one = _decode_time(svc, rng, b, length, decode_steps, vocab, [0], timer)
+            every = _decode_time(svc, rng, b, length, decode_steps, vocab, range(n), timer)
+            ratios.append(every / one if one > 0 else 1.0)
+        out.append((int(b), float(min(1.0, max(0.0, (float(np.median(ratios)) - 1) / (n - 1))))))
+    return out
 
 
 def token_cap(svc) -> int:
@@ -130,7 +175,14 @@ def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: in
     sh = svc.instances[0].shapes
     shapes = None if svc.instance_kw["attention_impl"] != "xla" else \
         {"batch": list(sh.batch), "pages": list(sh.pages), "page_size": sh.page_size}
-    return LayoutProfile(tp, dec, pre, compile_s, shapes)
+    contention: list = []
+    if dec and len(svc.instances) > 1:        # smallest and largest batch at the middle context
+        mid = contexts[len(contexts) // 2]
+        fit = [b for b in batches if fits(b, mid, decode_steps, cap, svc.max_seq_len)]
+        if fit:
+            contention = measure_contention(svc, rng, sorted({fit[0], fit[-1]}), mid, max(decode_steps, 16), vocab,
+                                            timer)
+    return LayoutProfile(tp, dec, pre, compile_s, shapes, contention)
 
 
 def measure_switches(svc, tps: list[int], prof_layers: int, kv_bytes_per_token_layer: int, vocab: int, rng,
@@ -191,13 +243,13 @@ def run_profile(model_cfg, weights, engine, *, candidates=None, batches: int = 1
               disable=not progress) as bar:
         for tp in tps:
             svc = dataclasses.replace(engine, tp=tp, instances=devices // tp, max_batch=max_batch[tp],
-                                      overlap=False).build(model_cfg, weights, devices=jax.devices()[:devices])
+                                      ).build(model_cfg, weights, devices=jax.devices()[:devices])
             layouts[tp] = measure_layout(svc, tp, grid[tp], ctx, decode_steps, model_cfg.vocab_size, rng, bar)
             del svc
     itemsize = np.dtype(jax.tree.leaves(weights)[0].dtype).itemsize
     kv_tok = 2 * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     svc = dataclasses.replace(engine, tp=tps[0], instances=devices // tps[0], max_batch=max_batch[tps[0]],
-                              overlap=False).build(model_cfg, weights, devices=jax.devices()[:devices])
+                              ).build(model_cfg, weights, devices=jax.devices()[:devices])
     live_len = max(1, min(ctx[len(ctx) // 2], engine.max_seq_len - 10))     # + 8 new tokens fit max_seq_len
     live_batch = max(1, min(total_batch, token_cap(svc) // (live_len + 10)))
     reshard, bandwidth = measure_switches(svc, tps, model_cfg.num_layers, kv_tok, model_cfg.vocab_size, rng,

@@ -16,7 +16,7 @@ A row is a name from `ROWS` or mechanism names joined by "+" (e.g. "tail_batchin
 | planner | RollPacker: per-round-type TP from preemption counts (`engine.planner`) |
 | async_reward | RollPacker: rewards scored as responses finish, adaptive code timeouts (off: after the rollout, fixed T_max) |
 | stream_trainer | RollPacker: gradients on rollout devices freed mid-rollout (`trainer.stream`) |
-| skew | StreamRL: long-tail prompts to dedicated instances, LPT order (`rollout.skew`; oracle lengths) |
+| skew | StreamRL: long-tail prompts to dedicated instances, LPT order (`rollout.skew`; the ranker is the workload's own lengths, blurred by `ranker_noise`) |
 | disaggregated | StreamRL: generation and training on their own GPUs (split by `train.balance.best_split`), samples streamed |
 | async_steps | StreamRL: one-step-async (the next rollout runs while this step trains; needs disaggregated) |
 | multi_controller | DistFlow: no central driver (off: every sample crosses the driver at each stage boundary) |
@@ -116,9 +116,11 @@ class WorkloadSection(Section):
     pass_a: float = 1.0                     # per-prompt pass rate ~ Beta(pass_a, pass_b)
     pass_b: float = 1.0
     reward_s: float = 0.05                  # seconds to score one response (rule-based)
-    code: bool = False                      # code task: programs run code_median_s, a fraction `hang` never end
+    code: bool = False                      # code tasks: programs run code_median_s, a fraction `hang` never end
+    code_fraction: float = 1.0              # with code: the share of prompts that are code tasks
     code_median_s: float = 0.3
     hang: float = 0.0
+    cap_fraction: float = 0.0               # responses that run to max_new_tokens whatever their draw
     seed: int = 0
 
     def __post_init__(self):
@@ -129,14 +131,17 @@ class WorkloadSection(Section):
         check_int("prompt_len", self.prompt_len, minimum=1)
         for name in ("median", "above_fraction", "pass_a", "pass_b", "code_median_s"):
             check_float(name, getattr(self, name), above=0.0)
-        if not 0 <= self.hang < 1 or not 0 <= self.prompt_share <= 1:
-            raise ConfigError("hang", "hang must be in [0, 1) and prompt_share in [0, 1]")
+        for name in ("hang", "prompt_share", "code_fraction", "cap_fraction"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(name, f"must be in [0, 1], got {v!r}")
 
     def build(self, max_new_tokens: int):
         from .workload import Workload
 
         common = dict(reward_s=self.reward_s, code=self.code, code_median_s=self.code_median_s, hang=self.hang,
-                      seed=self.seed, pass_beta=(self.pass_a, self.pass_b))
+                      seed=self.seed, pass_beta=(self.pass_a, self.pass_b), code_fraction=self.code_fraction,
+                      cap_fraction=self.cap_fraction)
         if self.source == "jsonl":
             return Workload.from_jsonl(self.path, max_new_tokens=max_new_tokens, **common)
         if self.source == "run":
@@ -162,6 +167,7 @@ class SimConfig(Section):
     rows: tuple[str, ...] = ("baseline", "pat", "tail_batching", "rollpacker", "streamrl", "distflow", "all")
     steps: int = 10                         # RL steps per row (a tail-batching period is 5)
     prompts_per_gpu: int | None = None      # set: algo.prompts_per_step = this x cluster.gpus (weak scaling)
+    ranker_noise: float = 0.0               # skew: predicted length = the prompt's true mean x exp(noise x N(0,1)) (0: oracle)
     seed: int = 0
     sweep: str | None = None                # a dotted key to sweep (e.g. cluster.gpus), with `values`
     values: tuple[str, ...] = ()            # the sweep's values (parsed by the key's type)
@@ -173,6 +179,9 @@ class SimConfig(Section):
             check_int("prompts_per_gpu", self.prompts_per_gpu, minimum=1)
         for r in self.rows:
             mechanisms_of(r)
+        check_float("ranker_noise", self.ranker_noise)
+        if self.ranker_noise < 0:
+            raise ConfigError("ranker_noise", f"must be >= 0, got {self.ranker_noise}")
         if self.sweep is not None and not self.values:
             raise ConfigError("values", f"sweep={self.sweep} needs values")
         from models import PRESETS

@@ -83,9 +83,46 @@ def _reuse_bytes(cfg: ModelConfig, dtype: str, src: int, dst: int, devices: int)
     return sum(tree_reuse_bytes(tree, old, shardings(g)) for g in tp_groups(pool, [dst] * (devices // dst)))
 
 
+@functools.lru_cache(maxsize=256)
+def _engine_pages(cfg: ModelConfig, tp: int, page_size: int, budget: int, dtype: str) -> int | None:
+    """`rollout.memory.instance_pages` for a TP-`tp` instance under a per-device `budget`, counted on abstract
+    weights laid out on this process's first `tp` devices (None when it has fewer): the engine's exact count."""
+    import jax
+
+    from jaxrl.rollout.memory import instance_pages
+    from models import abstract, logical_axes
+    from sharding import Layout, ShardingRules, padded_vocab_for, shardings_for
+
+    if jax.device_count() < tp:
+        return None
+    layout = Layout(tp=tp)
+    mesh = layout.make_mesh(jax.devices()[:tp])
+    pad = padded_vocab_for(cfg, layout)
+    sh = shardings_for(logical_axes(cfg, vocab_size=pad), mesh, ShardingRules.rollout(cfg, layout))
+    tree = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract(cfg, np.dtype(dtype), vocab_size=pad), sh)
+    return instance_pages(cfg, mesh, tree, num_pages=None, page_size=page_size, max_batch=1, max_seq_len=1,
+                          kv_bytes_per_device=budget, kv_dtype=np.dtype(dtype))
+
+
 class _Common:
     cfg: ModelConfig
     dtype_bytes: int
+    kv_bytes_per_device: int | None = None
+
+    def budget_pages(self, cfg: ModelConfig, tp: int, page_size: int, budget: float) -> int:
+        """Pages of a TP-`tp` instance when each device has `budget` bytes for weights + KV: the engine's own
+        count where this process can lay the weights out, else (budget − weight shard) / page bytes per rank."""
+        dtype = {2: "bfloat16", 4: "float32"}[self.dtype_bytes]
+        got = _engine_pages(cfg, tp, page_size, int(budget), dtype)
+        if got is not None:
+            return got
+        per_page = page_size * kv_bytes_per_token(cfg, self.dtype_bytes) / kv_shards(cfg, tp)
+        pages = int((budget - weight_shard_bytes(cfg, tp, self.dtype_bytes)) // per_page)
+        if pages < 2:
+            raise ValueError(f"{cfg.param_count() / 1e9:.2f}B parameters at tp={tp} leave no KV room in "
+                             f"{budget / 1e9:.1f} GB per device: use a larger tp")
+        return pages
 
     def page_bytes(self, cfg: ModelConfig, page_size: int) -> int:
         """K + V bytes of one page over every layer (all kv heads)."""
@@ -116,12 +153,22 @@ class ProfileCost(_Common):
     CPU engine's default, max_batch sequences of max_seq_len); `host_step_s`: per engine step on the host."""
 
     def __init__(self, profile: Profile, cfg: ModelConfig, *, dtype_bytes: int = 4, stages: StageRates = StageRates(),
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, kv_bytes_per_device: int | None = None):
         self.profile, self.cfg, self.dtype_bytes, self.stages = profile, cfg, dtype_bytes, stages
+        self.kv_bytes_per_device = kv_bytes_per_device
         self.predictor = Predictor(profile)
         self.num_pages = num_pages
         self.control_s = profile.control_seconds
         self.name = f"profile:{profile.key.get('device', '?')}"
+
+    def contention(self, tp: int, batch: float = 1.0) -> float:
+        """κ of the profiled layout at this batch per instance (`LayoutProfile.contention`, linear between
+        its measured batches, clamped): how much its instances' steps add up."""
+        lp = self.profile.layouts.get(tp)
+        if lp is None or not lp.contention:
+            return 0.0
+        pts = sorted(lp.contention)
+        return float(np.interp(batch, [b for b, _ in pts], [k for _, k in pts]))
 
     def decode_s(self, tp: int, contexts: np.ndarray, *, rows: int, width: int) -> float:
         c = np.asarray(contexts, np.float64)
@@ -138,7 +185,13 @@ class ProfileCost(_Common):
         return self.predictor.reshard_seconds(src, dst)
 
     def pages(self, cfg: ModelConfig, tp: int, *, page_size: int, max_batch: int, max_seq_len: int) -> int:
-        return self.num_pages or max_batch * -(-max_seq_len // page_size) + 1
+        """As the engine on the CPU: `num_pages`, else the `kv_bytes_per_device` budget, else max_batch
+        sequences of max_seq_len."""
+        if self.num_pages:
+            return self.num_pages
+        if self.kv_bytes_per_device:
+            return self.budget_pages(cfg, tp, page_size, self.kv_bytes_per_device)
+        return max_batch * -(-max_seq_len // page_size) + 1
 
     # training side
     def train_s(self, tokens: float, attended: float, devices: int) -> float:
@@ -154,8 +207,10 @@ class ProfileCost(_Common):
 class AnalyticCost(_Common):
     """An analytic GPU node (see the module docstring and `hardware.py`)."""
 
-    def __init__(self, cfg: ModelConfig, hw: GPU, *, dtype_bytes: int = 2, num_pages: int | None = None):
+    def __init__(self, cfg: ModelConfig, hw: GPU, *, dtype_bytes: int = 2, num_pages: int | None = None,
+                 kv_bytes_per_device: int | None = None):
         self.cfg, self.hw, self.dtype_bytes, self.num_pages = cfg, hw, dtype_bytes, num_pages
+        self.kv_bytes_per_device = kv_bytes_per_device
         self.weight_bytes = cfg.param_count() * dtype_bytes
         # a decode step reads every weight but the embedding table (B rows of it); a tied head reads the table
         self.read_bytes = (cfg.param_count() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)) * dtype_bytes
@@ -164,6 +219,9 @@ class AnalyticCost(_Common):
         self.q_width = cfg.num_heads * cfg.head_dim
         self.control_s = hw.control_s
         self.name = f"analytic:{hw.name}"
+
+    def contention(self, tp: int, batch: float = 1.0) -> float:
+        return 0.0                 # every instance on GPUs of its own
 
     def allreduce_s(self, tp: int, nbytes: float) -> float:
         """One ring all-reduce of `nbytes` over `tp` GPUs of a node."""
@@ -201,13 +259,8 @@ class AnalyticCost(_Common):
         """(HBM x kv_memory_fraction − weight shard) / one page's bytes on a GPU, as `rollout.memory` counts."""
         if self.num_pages:
             return self.num_pages
-        budget = self.hw.memory_bytes * self.hw.kv_memory_fraction - weight_shard_bytes(cfg, tp, self.dtype_bytes)
-        per_page = page_size * self.kv_token / kv_shards(cfg, tp)
-        pages = int(budget // per_page)
-        if pages < 2:
-            raise ValueError(f"{cfg.param_count() / 1e9:.1f}B parameters at tp={tp} leave no KV room on a "
-                             f"{self.hw.name} ({self.hw.memory_bytes / 1e9:.0f} GB): use a larger tp")
-        return pages
+        return self.budget_pages(cfg, tp, page_size,
+                                 self.kv_bytes_per_device or self.hw.memory_bytes * self.hw.kv_memory_fraction)
 
     # training side: FLOPs at train_mfu over the devices
     def train_s(self, tokens: float, attended: float, devices: int) -> float:

@@ -19,6 +19,8 @@ adds the step's seconds from the cost model (`jaxrl.sim.cost`) to its instance; 
 seconds. `SimService` advances the clock once every instance has dispatched (`RolloutService._dispatched`)
 by the slowest instance's step (instances run concurrently on disjoint devices; the host loop dispatches
 them in lockstep) plus the host's per-step time, and records each instance's busy span on its devices.
+Where instances share hardware (a profile measured on the CPU, whose fake devices share its cores) the
+profiled contention κ adds the others' steps in part: longest + κ·(the rest).
 
 A relayout (PAT's switch, the planner's layout change) costs, on the clock: the KV pages moved (Eq. 2:
 the most bytes any target rank receives / the cost model's migration bandwidth), the weight reshard and the
@@ -210,6 +212,8 @@ class SimService(RolloutService):
         return SimInstance(index, self.cfg, devices, cost=self.cost, oracle=self.oracle, num_pages=int(pages),
                            max_batch=max_batch, **kw)
 
+    synced = object()     # the "weights" a step's sync hands to `planner.apply` (timed by the step simulator)
+
     def warm(self, params=(SamplingParams(),)) -> int:
         return 0
 
@@ -230,13 +234,18 @@ class SimService(RolloutService):
 
     def _dispatched(self) -> None:
         t0 = self.clock()
-        dt = 0.0
+        steps, batch = [], []
         for inst in self.instances:
             s, inst.executor.seconds = inst.executor.seconds, 0.0
+            if s:
+                batch.append(len(inst.sched.running))
             if s and self.timeline is not None:
                 for d in inst.devices:
                     self.timeline.add(f"gen{d}", "decode", t0, t0 + s)
-            dt = max(dt, s)
+            steps.append(s)
+        longest = max(steps)
+        kappa = self.cost.contention(self.instances[0].tp, float(np.mean(batch))) if len(batch) > 1 else 0.0
+        dt = longest + kappa * (sum(steps) - longest)
         if dt:
             self.steps += 1
             self.clock.advance(dt + self.host_step_s)

@@ -46,7 +46,7 @@ class GPU:
     allreduce_bw: float = 8.23e9       # all-reduce bus bandwidth (fitted on A40 PCIe)
     decode_flops_efficiency: float = 0.5   # of peak, for the compute-bound side of a decode step
     prefill_mfu: float = 0.5
-    train_mfu: float = 0.134           # fitted: PAT 8xH100 Llama-3.1-8B 24K non-generation time
+    train_mfu: float = 0.151           # fitted: PAT 8xH100 Llama-3.1-8B 24K non-generation time
     kv_memory_fraction: float = 0.85   # of HBM for rollout weights + KV (vLLM/SGLang gpu_memory_utilization)
     sync_overhead_s: float = 2.0       # fixed cost of a train -> rollout weight sync (reshard set-up, rebuild)
     control_s: float = 0.70            # a PAT switch's fixed cost (graph recapture 0.73 s of PAT's 5.52 s: §5.4)

@@ -13,14 +13,16 @@ BREAKDOWN = ("rollout_s", "reward_s", "driver_s", "forward_s", "train_s", "sync_
 
 def table(rows: list[dict]) -> str:
     """A Markdown table of the rows (seconds are per step)."""
-    head = ("| row | GPUs (gen/train) | step s | rollout s | reward s | train s (fwd + update) | sync s | driver s | "
-            "engine steps | preempt. | switches | speedup |")
-    out = [head, "|" + "---|" * 12]
+    head = ("| row | GPUs (gen/train) | step s | rollout s | reward s | train s (fwd + update) | sync s | data s | "
+            "switch s | engine steps | preempt. | switches | GPU busy | speedup |")
+    out = [head, "|" + "---|" * 14]
     for r in rows:
-        gpus = f"{r['gen_gpus']}" if r["gen_gpus"] == r["train_gpus"] else f"{r['gen_gpus']}/{r['train_gpus']}"
+        split = "disaggregated" in r["mechanisms"] or "async_steps" in r["mechanisms"]
+        gpus = f"{r['gen_gpus']}/{r['train_gpus']}" if split else f"{r['gen_gpus']}"
         out.append(f"| {r['row']} | {gpus} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['reward_s']:.1f} | "
                    f"{r['forward_s'] + r['train_s']:.1f} | {r['sync_s']:.1f} | {r['driver_s']:.1f} | "
-                   f"{r['engine_steps']:.0f} | {r['preemptions']} | {r['switches']} | {r['speedup_vs_baseline']:.2f}x |")
+                   f"{r['switch_s']:.1f} | {r['engine_steps']:.0f} | {r['preemptions']} | {r['switches']} | "
+                   f"{r.get('gpu_busy', 0):.0%} | {r['speedup_vs_baseline']:.2f}x |")
     return "\n".join(out) + "\n"
 
 

@@ -64,7 +64,7 @@ class SimRewardPool:
         now = self.clock()
         start = max(now, heapq.heappop(self._free))
         status, error = "ok", ""
-        if wl.code:
+        if wl.is_code(index):
             limit = self.timeouts.timeout_for(str(index))
             if seconds > limit:
                 seconds, score, status, error = limit, 0.0, "timeout", f"ran past {limit:.3g} s"

@@ -14,7 +14,7 @@ simulated reward pool (`rewards.SimRewardPool`):
   engine step of a round without a race (as `StreamTrainer.on_progress`); the freed GPUs then compute the
   gradients of groups as they complete;
 * StreamRL's skew placement is `skew.plan_placement` with the workload's own mean lengths as the ranker's
-  predictions (an oracle; `Scheduler(order="lpt")` admits longest first), its GPU split
+  predictions (an oracle, blurred by `ranker_noise`; `Scheduler(order="lpt")` admits longest first), its GPU split
   `balance.best_split` over stage times measured in the baseline row;
 * the training-side stages (log-prob forwards, the update, the weight sync) take the cost model's time for
   the step's trained tokens; with a single controller (no `multi_controller`) every sample's fields also
@@ -39,6 +39,7 @@ import math
 import numpy as np
 
 from jaxrl.config.base import ConfigError
+from jaxrl.flow.databuffer import plan_tokens
 from jaxrl.rewards.scheduler import RewardScheduler
 from jaxrl.rewards.timeouts import AdaptiveTimeouts
 from jaxrl.rollout import skew
@@ -52,6 +53,7 @@ from jaxrl.train.stream import milestone_due, shrink_plan, take_shrink
 from .config import SimConfig, mechanisms_of
 from .cost import attended_pairs
 from .engine import EOS, Clock, SimService
+from .workload import _normal
 from .rewards import SimRewardPool, SimTokenizer
 
 
@@ -97,7 +99,7 @@ class StepRecord:
     forward_s: float = 0.0              # log-prob forwards (old policy, reference)
     train_s: float = 0.0                # the update (its part after the rollout)
     sync_s: float = 0.0
-    driver_s: float = 0.0
+    driver_s: float = 0.0               # data plane: through the single driver, or DistFlow's repartition
     switch_s: float = 0.0               # PAT / planner relayouts
     engine_steps: int = 0
     preemptions: int = 0
@@ -142,7 +144,11 @@ class RowSim:
     """`steps` RL steps of the mechanisms of `row` (see the module docstring)."""
 
     def __init__(self, cfg: SimConfig, row: str, cost, workload, *, profile: str | None = None,
-                 split: tuple[int, int] | None = None, stage_times: tuple[float, float] | None = None):
+                 split: tuple[int, int] | None = None, stage_times: tuple[float, float] | None = None,
+                 engine=None, clock=None, params_fn=None):
+        """`engine(row_sim) -> service` and `clock` replace the simulated engine and the virtual clock (the
+        validation bench runs the same steps on the real `RolloutService` and the wall clock); `params_fn`
+        is `rollout_and_score`'s."""
         self.cfg, self.row, self.cost, self.workload = cfg, row, cost, workload
         self.m = set(mechanisms_of(row))
         if "async_steps" in self.m:
@@ -161,18 +167,22 @@ class RowSim:
         self.tc = train_config(cfg, self.m, gen_gpus=self.gen_gpus, profile=profile,
                                prompt_len=max(workload.prompt_tokens(i) for i in range(min(workload.prompts, 4096))))
         e, tc = self.tc.engine, self.tc
-        self.clock = Clock()
+        self.clock = clock if clock is not None else Clock()
+        self.params_fn = params_fn
         self.timeline = Timeline()
         self.timeline.t0 = 0.0
         order = "lpt" if "skew" in self.m and tc.rollout.skew.lpt else "fcfs"
-        self.svc = SimService(self.model, cost, self.clock, devices=self.gen_gpus, lengths=self._lengths, tp=e.tp,
-                              instances=e.instances, num_pages=e.num_pages, page_size=e.page_size,
-                              max_batch=e.max_batch, max_seq_len=e.max_seq_len, prefill_chunk=e.prefill_chunk,
-                              prefill_tokens=e.prefill_tokens, prefix_sharing=e.prefix_sharing, overlap=e.overlap,
-                              batch_buckets_per_octave=e.batch_buckets_per_octave, page_buckets=e.page_buckets,
-                              order=order, timeline=self.timeline, host_step_s=cfg.cluster.host_step_s)
+        self.order = order
+        self.svc = engine(self) if engine is not None else SimService(
+            self.model, cost, self.clock, devices=self.gen_gpus, lengths=self._lengths, tp=e.tp,
+            instances=e.instances, num_pages=e.num_pages, page_size=e.page_size, max_batch=e.max_batch,
+            max_seq_len=e.max_seq_len, prefill_chunk=e.prefill_chunk, prefill_tokens=e.prefill_tokens,
+            prefix_sharing=e.prefix_sharing, overlap=e.overlap, batch_buckets_per_octave=e.batch_buckets_per_octave,
+            page_buckets=e.page_buckets, order=order, timeline=self.timeline, host_step_s=cfg.cluster.host_step_s)
         self.svc.observers.append(self._engine_step)
         self.svc.adaptive = e.adaptive_tp.build(self.gen_gpus, self.model) if "pat" in self.m else None
+        if self.svc.adaptive is not None:       # adaptive_tp.warm: the trainer's warm-up compiled every candidate
+            self.svc.adaptive.seen.update(self.svc.adaptive.controller.candidates)
         a = tc.algo
         tb = tc.rollout.tail_batching
         self.tail = TailBatcher(a.prompts_per_step, a.group_size, tb.eta_prompts, tb.eta_responses) \
@@ -232,6 +242,8 @@ class RowSim:
             kw = dict(hooks)
             if "skew" in self.m:
                 kw["route"] = self._place
+            if self.params_fn is not None:
+                kw["params_fn"] = self.params_fn
             comps, rewards, st = rl.rollout_and_score(self.svc, self.rewards, SimTokenizer(), self.tc, prompts, rows,
                                                       step, (EOS,), race=race, responses=responses, score=streamed,
                                                       **kw)
@@ -248,7 +260,9 @@ class RowSim:
     def _place(self, prompts):
         """StreamRL's placement with the workload's mean lengths as the predictions (an oracle ranker)."""
         sk, svc = self.tc.rollout.skew, self.svc
-        predicted = [float(np.mean(self.workload.lengths(i, self.tc.algo.group_size))) for i in self._placing]
+        noise = self.cfg.ranker_noise
+        predicted = [float(np.mean(self.workload.lengths(i, self.tc.algo.group_size))) *
+                     math.exp(noise * _normal(self.cfg.seed, "ranker", i)) for i in self._placing]
         ptl = skew.linear_ptl(sk.ptl_base_s, sk.ptl_per_seq_s)
         plan = skew.plan_placement(predicted, instances=len(svc.instances), group_size=self.tc.algo.group_size,
                                    cap=min(i.max_batch for i in svc.instances), ptl=ptl, lengths=list(self.recent),
@@ -261,7 +275,7 @@ class RowSim:
         rec = StepRecord(step=k)
         start = self._step_start()
         clock.now = start
-        rec.start = start
+        rec.start = start = clock()
         rec.tp = "x".join(map(str, svc.layout[:1])) + f"x{len(svc.layout)}"
         pre0 = total_preemptions(svc) + self._retired()
         sw0 = len(svc.relayouts)
@@ -293,9 +307,28 @@ class RowSim:
         tokens, attended = float(resp.sum() + prompt.sum()), attended_pairs(prompt, resp)
         if self.planner:
             self.planner.decide(rec.kind, int(rec.preemptions))
+        if "multi_controller" in self.m:
+            rec.driver_s = self._repartition_s(comps)
         self._finish(rec, tokens, attended, early, clock())
         self.records.append(rec)
         return rec
+
+    def _repartition_s(self, comps) -> float:
+        """DistFlow's databuffer between the rollout and the update (no driver): the token-balanced plan over
+        the nodes that `flow.databuffer.SampleBuffer` takes (`plan_tokens` from where the samples are, within
+        one packed row); the samples that change node cross the network, every node at once."""
+        node = 8
+        nodes = self.gen_gpus // node
+        bw = getattr(getattr(self.cost, "hw", None), "net_bw", None)
+        if nodes < 2 or bw is None or not comps:
+            return 0.0
+        lengths = [len(c.prompt) + len(c.tokens) for c in comps]
+        home = [self.svc.instances[c.instance].devices[0] // node if c.instance < len(self.svc.instances) else 0
+                for c in comps]
+        pack = self.tc.pack_len or (self.tc.data.max_prompt_len + self.tc.rollout.max_new_tokens)
+        plan = plan_tokens(lengths, nodes, home=home, tolerance=pack)
+        received = [sum(lengths[i] for i in p if home[i] != q) for q, p in enumerate(plan)]
+        return max(received) * self.cfg.cluster.driver_bytes_per_token / bw
 
     def _drawn(self, rows):
         self._placing = [r["index"] for r in rows]
@@ -376,6 +409,7 @@ class RowSim:
             if "multi_controller" not in self.m:
                 rec.driver_s = cfg.cluster.driver_transfers * tokens * cfg.cluster.driver_bytes_per_token \
                     / cfg.cluster.driver_bytes_per_s
+            if rec.driver_s:
                 tl.add("driver", "driver", t, t + rec.driver_s)
                 t += rec.driver_s
             fwd = forwards * cost.forward_s(tokens, attended, self.train_gpus)
@@ -410,12 +444,13 @@ class RowSim:
         t += rec.sync_s
         self.clock.now = max(self.clock.now, t)
         before = len(svc.relayouts)
+        synced = getattr(svc, "synced", None)        # the simulator's: the sync rides the layout change (real: None)
         if self.planner:
             kind = self.tail.next_kind() if self.tail else "sync"
-            apply_layout(svc, self.planner.layout_for(kind), weights=object())
+            apply_layout(svc, self.planner.layout_for(kind), weights=synced)
         elif svc.adaptive is not None:
             e = self.tc.engine
-            svc.adaptive.home(svc, RolloutLayout(e.tp, e.instances), weights=object())
+            svc.adaptive.home(svc, RolloutLayout(e.tp, e.instances), weights=synced)
         moved = svc.relayouts[before:]
         t += sum(r.seconds for r in moved)
         rec.switch_s += sum(r.seconds for r in moved)
@@ -431,6 +466,20 @@ class RowSim:
             if progress is not None:
                 progress(self.records[-1])
         return self.records
+
+
+def busy(timeline: Timeline, gen_gpus: int, train_gpus: int, total: float, disaggregated: bool) -> dict:
+    """Device utilisation over the row: the generation GPUs' decode time, and the training side's stages
+    (on the training pool, or on every GPU when colocated; the stream trainer's on the freed half)."""
+    if total <= 0:
+        return {"gen_busy": 0.0, "train_busy": 0.0}
+    gen = sum(s.end - s.start for s in timeline.spans if s.pool.startswith("gen") and s.kind == "decode")
+    train = sum((s.end - s.start) * train_gpus for s in timeline.spans
+                if s.pool == "train" and s.kind in ("forward", "train", "grad"))
+    train += sum((s.end - s.start) * gen_gpus / 2 for s in timeline.spans if s.pool == "freed")
+    gpus = gen_gpus + train_gpus if disaggregated else gen_gpus
+    return {"gen_busy": gen / (gen_gpus * total), "train_busy": train / (train_gpus * total),
+            "gpu_busy": (gen + train) / (gpus * total)}
 
 
 def summarize(records: list[StepRecord], mechanisms) -> dict:

@@ -20,7 +20,7 @@ from jaxrl.config.base import ConfigError
 from jaxrl.train.balance import best_split, scaled
 
 from .config import SimConfig, mechanisms_of
-from .run import RowSim, summarize
+from .run import RowSim, busy, summarize
 
 
 def build_cost(cfg: SimConfig, model):
@@ -29,13 +29,15 @@ def build_cost(cfg: SimConfig, model):
 
     c = cfg.cluster
     if c.profile is None:
-        return AnalyticCost(model, gpu(c.gpu), dtype_bytes=c.dtype_bytes, num_pages=cfg.engine.num_pages)
+        return AnalyticCost(model, gpu(c.gpu), dtype_bytes=c.dtype_bytes, num_pages=cfg.engine.num_pages,
+                            kv_bytes_per_device=cfg.engine.kv_bytes_per_device)
     from jaxrl.rollout.adaptive_tp import Profile
 
     path = Path(c.profile).expanduser()
     if not path.is_file():
         raise ConfigError("cluster.profile", f"{path.absolute()}: no such file (python -m jaxrl.rollout.profile writes one)")
     return ProfileCost(Profile.load(path), model, dtype_bytes=c.dtype_bytes, num_pages=cfg.engine.num_pages,
+                       kv_bytes_per_device=cfg.engine.kv_bytes_per_device,
                        stages=StageRates(c.train_s_per_token, c.forward_s_per_token, c.sync_s))
 
 
@@ -83,6 +85,7 @@ def simulate(cfg: SimConfig, *, out: Path, progress: bool = True) -> dict:
         summary = summarize(records, mechanisms_of(row)) | {"row": row, "gen_gpus": sim.gen_gpus,
                                                             "train_gpus": sim.train_gpus,
                                                             "wall_s": time.perf_counter() - t0}
+        summary |= busy(sim.timeline, sim.gen_gpus, sim.train_gpus, summary["seconds"], sim.disagg)
         if row == "baseline":
             base = summary
         summary["speedup_vs_baseline"] = base["s_per_prompt"] / summary["s_per_prompt"] if base else 1.0

@@ -17,10 +17,13 @@ fraction P(length > x): σ = ln(x / median) / Φ⁻¹(1 − p). The DeepScaleR-l
 also gives P(> 16K) = 2.0%. Rewards: each prompt has a pass rate drawn from Beta(a, b) (default (1, 1)), each
 sample passes with it (1.0) or not (0.0).
 
-**Reward run time.** `reward_s` per response (rule-based math: milliseconds); for a code task,
-`code=True`: a response's program runs lognormal(`code_median_s`, `code_sigma`) seconds, and a fraction
-`hang` of responses never terminate (they run until their timeout; RollPacker §4.3 reports ~5% of prompts
-hitting a 30 s timeout).
+`cap_fraction` of responses run to max_new_tokens whatever their draw (the truncated repetition loops of
+RL rollouts, which a lognormal's tail does not produce).
+
+**Reward run time.** `reward_s` per response (rule-based math: milliseconds); with `code=True` a share
+`code_fraction` of the prompts are code tasks: a response's program runs lognormal(`code_median_s`,
+`code_sigma`) seconds, and a fraction `hang` of responses never terminate (they run until their timeout;
+RollPacker §4.3 reports ~5% of prompts hitting a 30 s timeout).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class Workload:
     pass_beta: tuple[float, float] = (1.0, 1.0)
     reward_s: float = 0.05
     code: bool = False
+    code_fraction: float = 1.0            # with `code`: the share of prompts that are code tasks (the rest: reward_s)
+    cap_fraction: float = 0.0             # responses that run to max_new_tokens whatever their draw (repetition loops)
     code_median_s: float = 0.3
     code_sigma: float = 1.0
     hang: float = 0.0
@@ -144,6 +149,8 @@ class Workload:
             rho = self.prompt_share
             z = math.sqrt(rho) * _normal(self.seed, "p", index) + math.sqrt(1 - rho) * _normal(self.seed, "s", index, sample)
             n = int(round(self.median * math.exp(self.sigma * z)))
+            if self.cap_fraction and _unit(self.seed, "cap", index, sample) < self.cap_fraction:
+                n = self.max_new_tokens
         return int(min(max(n, 1), self.max_new_tokens))
 
     def lengths(self, index: int, n: int) -> list[int]:
@@ -157,9 +164,12 @@ class Workload:
         rate = _beta(_unit(self.seed, "rate", index), a, b)
         return float(_unit(self.seed, "pass", index, sample) < rate)
 
+    def is_code(self, index: int) -> bool:
+        return self.code and _unit(self.seed, "code", index) < self.code_fraction
+
     def reward_seconds(self, index: int, sample: int) -> float:
         """Run time of the response's reward; `math.inf` for a program that never terminates."""
-        if not self.code:
+        if not self.is_code(index):
             return self.reward_s
         if _unit(self.seed, "hang", index, sample) < self.hang:
             return math.inf
