@@ -142,6 +142,32 @@ def test_redistribution_deals_like_relayout():
     assert all(x.group == k for k, g in enumerate(groups) for x in g)
 
 
+@pytest.mark.parametrize("kv", ["migrate", "recompute"])
+def test_redistribution_is_the_relayouts_own_dealing(kv):
+    """The predictor's dealing == `migration.deal` on the states a relayout detaches: a prompt's samples that
+    share KV pages move as one unit when the KV migrates, one by one when it is recomputed (the controller
+    used to deal shared samples one by one, predicted a balance the migrating relayout did not produce, and
+    switched back and forth at every check)."""
+    from jaxrl.rollout.migration import deal
+    from jaxrl.rollout.params import SamplingParams
+    from jaxrl.rollout.scheduler import SequenceState
+
+    rng = np.random.default_rng(0)
+    states, live = [], []
+    for rid in range(24):
+        inst, share = rid % 3, (rid // 6 if rid % 2 else None)          # some samples share pages, some do not
+        ctx = int(rng.integers(10, 400))
+        pages = (1, 2) if share is not None or rid % 4 == 0 else ()
+        holds = pages if kv == "migrate" else ()                       # a recomputing relayout drops the KV
+        states.append(SequenceState(rid, (1,) * 5, SamplingParams(), 0, share, (2,) * (ctx - 5), (0.0,) * (ctx - 5),
+                                    pages=holds, instance=inst if holds else None))
+        live.append(Live(ctx, 10, inst, rid, share if pages else None))
+    for n in (1, 2, 4):
+        want = [[st.rid for st in g] for g in deal(sorted(states, key=lambda st: st.rid), n)]
+        got = [[x.rid for x in g] for g in merge_and_redistribute(live, n, keep_shared=kv == "migrate")]
+        assert got == want, n
+
+
 def oracle(pred, prof, current, live, candidates, devices, kv, warm):
     """Algorithm 1 written out: every candidate's remaining time by step-by-step simulation of each group,
     plus the switch cost's parts computed by hand; switch iff the best total beats continuing."""

@@ -20,8 +20,9 @@ a layout's remaining time is the maximum over its groups. When every sequence st
 same maximum this is exactly the paper's est_rem_time(tp, rbs, L_max, L_gen).
 
 **Merged batch** (`compute_merged_bs`, line 7): a candidate layout's groups receive the live sequences
-dealt as `RolloutService.relayout` attaches them (request-id order, each to the least-loaded group by
-context tokens).
+dealt as `RolloutService.relayout` attaches them (`migration.deal`: request-id order, each to the
+least-loaded group by context tokens; a prompt's samples that share KV pages move as one unit when the KV
+migrates, one by one when it is recomputed).
 
 **Switch cost** (line 9): state handling + weight reshard + compile + control.
 - Migration (Eq. 1–2): S_kv^rank = Σ_i 2·M·L_i·(H_kv / TP_src)·s over the sequences of a source group
@@ -168,12 +169,14 @@ class _Surface:
 class Live:
     """One live sequence as the controller sees it: its context length now (prompt + generated), the decode
     steps it may still take (max_new_tokens − generated: the conservative bound), its TP group, its request
-    id (the order `relayout` deals sequences in)."""
+    id (the order `relayout` deals sequences in), and `share`: the prompt group whose KV pages it shares on
+    its instance (None: it holds no shared pages), which a migrating relayout moves as one."""
 
     context: int
     remaining: int
     group: int = 0
     rid: int = 0
+    share: int | None = None
 
 
 class Padded:
@@ -289,17 +292,24 @@ class Predictor:
 
 
 # ------------------------------------------------------------------------------------ redistribution
-def merge_and_redistribute(live: Seq[Live], groups: int) -> list[list[Live]]:
-    """compute_merged_bs: the live sequences dealt to `groups` target groups as `migration.relayout` deals
-    them: in request-id order, each to the group holding the fewest context tokens so far (ties: the lower
-    index). (Relayout keeps a prompt's samples that share KV pages together; the predictor deals them one
-    by one, which differs only in which group a shared group lands.)"""
+def merge_and_redistribute(live: Seq[Live], groups: int, *, keep_shared: bool = True) -> list[list[Live]]:
+    """compute_merged_bs: the live sequences dealt to `groups` target groups exactly as `migration.deal`
+    deals them in a relayout: units in request-id order (the samples of a prompt that share KV pages on one
+    instance are one unit when `keep_shared`, as a migrating relayout moves them; a recomputing relayout
+    moves every sequence alone), each unit to the group holding the fewest context tokens so far (ties: the
+    lower index). Dealing shared samples one by one instead predicted a balance the migrating relayout
+    does not produce, and the controller then switched back and forth at every check (found by the
+    cluster simulator)."""
     out: list[list[Live]] = [[] for _ in range(groups)]
     load = [0] * groups
+    units: dict = {}
     for x in sorted(live, key=lambda x: x.rid):
+        key = (x.group, x.share) if keep_shared and x.share is not None else ("solo", x.rid)
+        units.setdefault(key, []).append(x)
+    for unit in units.values():
         g = min(range(groups), key=lambda k: (load[k], k))
-        out[g].append(dataclasses.replace(x, group=g))
-        load[g] += x.context
+        out[g] += [dataclasses.replace(x, group=g) for x in unit]
+        load[g] += sum(x.context for x in unit)
     return out
 
 
@@ -376,13 +386,16 @@ class SwitchController:
 
     def switch_cost(self, src: int, dst: int, live: Seq[Live], *, warm: bool) -> Candidate:
         pred, prof = self.predictor, self.predictor.profile
-        src_groups, dst_groups = by_group(live), merge_and_redistribute(live, self.devices // dst)
+        n = self.devices // dst
+        src_groups = by_group(live)
+        moved, solo = merge_and_redistribute(live, n), merge_and_redistribute(live, n, keep_shared=False)
         move, nbytes = pred.move_seconds(src, src_groups)
-        recomp = pred.recompute_seconds(dst, dst_groups) if dst in pred._prefill else math.inf
+        recomp = pred.recompute_seconds(dst, solo) if dst in pred._prefill else math.inf
         kv = self.kv if self.kv != "auto" else ("migrate" if move <= recomp else "recompute")
         state = move if kv == "migrate" else recomp
         reshard = pred.reshard_seconds(src, dst)
         compile_s = 0.0 if warm else prof.layouts[dst].compile_seconds
+        dst_groups = moved if kv == "migrate" else solo
         return Candidate(dst, pred.remaining_time(dst, dst_groups), state + reshard + compile_s + prof.control_seconds,
                          kv, move, recomp, reshard, compile_s, prof.control_seconds, nbytes)
 

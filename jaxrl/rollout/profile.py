@@ -151,8 +151,9 @@ def fits(batch: int, length: int, decode_steps: int, cap: int, max_seq_len: int)
 
 
 def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: int, rng, bar=None,
-                   timer=time.perf_counter) -> LayoutProfile:
-    """Compile time, then every (B, L) of the grid that fits T_cap on the layout's first TP group."""
+                   timer=time.perf_counter, contention: bool = True) -> LayoutProfile:
+    """Compile time, then every (B, L) of the grid that fits T_cap on the layout's first TP group (and, with
+    `contention`, how much the layout's instances slow each other)."""
     cap = token_cap(svc)
     t0 = timer()
     svc.instances[0].warm()                   # only the first TP group is measured
@@ -176,7 +177,7 @@ def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: in
     shapes = None if svc.instance_kw["attention_impl"] != "xla" else \
         {"batch": list(sh.batch), "pages": list(sh.pages), "page_size": sh.page_size}
     contention: list = []
-    if dec and len(svc.instances) > 1:        # smallest and largest batch at the middle context
+    if contention and dec and len(svc.instances) > 1:        # smallest and largest batch at the middle context
         mid = contexts[len(contexts) // 2]
         fit = [b for b in batches if fits(b, mid, decode_steps, cap, svc.max_seq_len)]
         if fit:

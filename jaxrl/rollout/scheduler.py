@@ -342,7 +342,7 @@ class Scheduler:
             if s.pending:
                 b.src[i] = prev_rows[id(s)]     # the token is the previous step's output, still on the device
             else:
-                b.tokens[i] = s.tokens[-1]
+                b.tokens[i] = s.out[-1] if s.out else s.prompt[-1]     # (s.tokens would copy the sequence)
             b.table[i, :len(s.pages)] = s.pages
             b.sampling.append((s.params, s.seed, len(s.out) + s.pending))
         for s in seqs:

@@ -73,7 +73,8 @@ class AdaptiveTP:
 
     def live(self, svc) -> list[Live]:
         return [Live(int(s["context_len"]), max(0, int(s["max_new_tokens"]) - int(s["generated"])), int(s["instance"]),
-                     int(s["request_id"])) for s in svc.sequence_stats()]
+                     int(s["request_id"]), s["group"] if s["group"] is not None and s["pages"] else None)
+                for s in svc.sequence_stats()]
 
     def after_step(self, svc) -> SwitchDecision | None:
         """Called by the service after each engine step; returns the decision when one was evaluated."""

@@ -10,8 +10,8 @@ Two models answer the same questions (`SimExecutor` and the step simulator ask t
 * `AnalyticCost(model, gpu)`: a GPU node from first principles (`hardware.GPU`): a decode step of a TP group
   is max(memory, compute) + communication, where memory = (weight shard + the batch's KV shard) / (HBM
   bandwidth x efficiency), compute = (2·N_active·B + 4·layers·q_width·ΣL) / tp / (peak x efficiency), and
-  communication = 2 all-reduces per layer, each 2(tp−1) ring hops of latency α plus 2(tp−1)/tp x B·hidden·s
-  bytes at the all-reduce bus bandwidth; prefill and training from FLOPs at a stated MFU; the weight sync
+  communication = 2 all-reduces per layer, each a latency (2(tp−1) ring hops of α on PCIe, one flat α on
+  NVSwitch) plus 2(tp−1)/tp x B·hidden·s bytes at the all-reduce bus bandwidth; prefill and training from FLOPs at a stated MFU; the weight sync
   and KV moves from bytes over links. `hardware.py` says which parameters are vendor figures and which were
   fitted to which published point.
 
@@ -228,7 +228,8 @@ class AnalyticCost(_Common):
         if tp <= 1:
             return 0.0
         hw = self.hw
-        return 2 * (tp - 1) * hw.hop_latency_s + 2 * (tp - 1) / tp * nbytes / hw.allreduce_bw
+        latency = hw.allreduce_latency_s if hw.allreduce_latency_s is not None else 2 * (tp - 1) * hw.hop_latency_s
+        return latency + 2 * (tp - 1) / tp * nbytes / hw.allreduce_bw
 
     def decode_s(self, tp: int, contexts: np.ndarray, *, rows: int = 0, width: int = 0) -> float:
         hw, cfg = self.hw, self.cfg

@@ -209,6 +209,9 @@ class SimService(RolloutService):
         kw = {k: v for k, v in self.instance_kw.items() if k != "attention_impl"}
         pages = num_pages or self.memory["num_pages"] or self.cost.pages(
             self.cfg, len(devices), page_size=kw["page_size"], max_batch=max_batch, max_seq_len=self.max_seq_len)
+        # a budget beyond 4x what max_batch full-length sequences hold never binds (a small model on a big GPU
+        # would otherwise get tens of millions of pages, whose free list alone takes seconds to build)
+        pages = min(int(pages), 4 * max_batch * -(-self.max_seq_len // kw["page_size"]) + 1)
         return SimInstance(index, self.cfg, devices, cost=self.cost, oracle=self.oracle, num_pages=int(pages),
                            max_batch=max_batch, **kw)
 

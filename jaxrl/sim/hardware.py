@@ -16,8 +16,10 @@ Fitted: PAT's Fig. 4 gives four decode latencies of Llama-3.1-8B
 exactly (Newton's method; tests/test_sim_cost.py re-checks them): the HBM efficiency (0.746, which absorbs the
 per-step fixed costs), the hop latency (6.6 us), the PCIe all-reduce bus bandwidth (8.23 GB/s) and the
 batch-128 points' context length, which the paper does not state (1,750 tokens). The Hopper presets keep the fitted
-HBM efficiency and take NVLink's per-hop latency and bus bandwidth as 80% of its per-direction line rate
-(NCCL's usual large-message efficiency); their end-to-end figures are checked against PAT's 8xH100 runs in
+HBM efficiency; on NVSwitch a small all-reduce is one step (the one-shot / NVLS all-reduces of NCCL and of
+the inference engines' custom kernels), so it costs a flat 8 us (a rule of thumb for 8 GPUs, a parameter)
+instead of ring hops, and its bytes move at 80% of the per-direction line rate (NCCL's usual large-message
+efficiency); their end-to-end figures are checked against PAT's 8xH100 runs in
 the README ("At cluster scale"), not fitted to them.
 
 `train_mfu` (model FLOPs of the policy update, reference and old log-prob forwards over the step's tokens,
@@ -43,6 +45,7 @@ class GPU:
     node_size: int = 8
     hbm_efficiency: float = 0.746      # fraction of hbm_bw a decode step's weight + KV reads reach (fitted)
     hop_latency_s: float = 6.6e-6      # per ring hop of an all-reduce (fitted on A40 PCIe)
+    allreduce_latency_s: float | None = None   # NVSwitch: one flat latency per all-reduce instead of ring hops
     allreduce_bw: float = 8.23e9       # all-reduce bus bandwidth (fitted on A40 PCIe)
     decode_flops_efficiency: float = 0.5   # of peak, for the compute-bound side of a decode step
     prefill_mfu: float = 0.5
@@ -56,7 +59,7 @@ class GPU:
         return self.link_bw
 
 
-_HOPPER = dict(peak_flops=989e12, memory_bytes=80e9, hbm_bw=3.35e12, net_bw=50e9, hop_latency_s=3e-6)
+_HOPPER = dict(peak_flops=989e12, memory_bytes=80e9, hbm_bw=3.35e12, net_bw=50e9, allreduce_latency_s=8e-6)
 
 PRESETS: dict[str, GPU] = {
     "h100": GPU("h100", link_bw=450e9, allreduce_bw=0.8 * 450e9, **_HOPPER),

@@ -6,7 +6,8 @@ runs the same profiler functions (`profile.batch_grid`, `context_grid`, `fits`, 
 the prefill of a random-token prefix, the averaged decode steps) on a `SimService` whose clock is the
 virtual one, so the profile is what the profiler would measure on that node if the cost model were the
 hardware; the predictor then interpolates it, with its own error, as on a real profile. Between layouts:
-the migration bandwidth, the weight reshard seconds and the control overhead come from the cost model.
+the migration bandwidth, the weight reshard seconds and the control overhead come from the cost model. The
+grid is coarser than on hardware (8 batch sizes, 4 decode steps a point): the model is smooth and exact.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .cost import kv_bytes_per_token
 from .engine import Clock, SimService
 
 
-def simulated_profile(cost, model, engine, devices: int, *, decode_steps: int = 8, batches: int = 10,
+def simulated_profile(cost, model, engine, devices: int, *, decode_steps: int = 4, batches: int = 8,
                       candidates=None, seed: int = 0) -> Profile:
     """The profile of every candidate TP layout of `devices` GPUs (`engine`: an `EngineSection`: page size,
     batch and length limits; instances = devices / tp)."""
@@ -40,7 +41,8 @@ def simulated_profile(cost, model, engine, devices: int, *, decode_steps: int = 
                          page_size=engine.page_size, prefill_chunk=engine.prefill_chunk,
                          prefill_tokens=engine.prefill_tokens, overlap=False)
         grid = batch_grid(svc.instances[0].max_batch, batches)
-        layouts[tp] = measure_layout(svc, tp, grid, ctx, decode_steps, model.vocab_size, rng, timer=clock)
+        layouts[tp] = measure_layout(svc, tp, grid, ctx, decode_steps, model.vocab_size, rng, timer=clock,
+                                     contention=cost.contention(tp) > 0)
         layouts[tp] = dataclasses.replace(layouts[tp], shapes=None)     # a paged kernel: the paper's Σ-context measure
     reshard = {f"{a}->{b}": cost.reshard_s(model, a, b) for a in tps for b in tps if a != b}
     key = {"device": getattr(cost, "name", "sim"), "devices": devices, "model": model.architecture,
