@@ -163,12 +163,16 @@ def main(argv=None) -> int:
     models.PRESETS["sim-validation"] = model_cfg      # the row driver reads `cfg.model` as a preset name
     cfg = dataclasses.replace(cfg, model="sim-validation")
     workload = cfg.workload.build(max_new)
-    # PAT starts on TP4x2 so that its controller has somewhere to go (on this CPU smaller TP predicts faster)
-    rows = [("baseline", 2), ("pat", 4)] if quick else \
-        [("baseline", 2), ("tail_batching", 2), ("pat", 4), ("tail_batching+pat", 4)]
+    # PAT starts on TP4x2 so that its controller has somewhere to go (on this CPU smaller TP predicts faster);
+    # RollPacker's planner on a pool small enough to preempt at TP1 (a per-device budget of the weights + ~4 MB)
+    budget = 4_000_000 + 4 * model_cfg.param_count()
+    rows = [("baseline", 2, {}), ("pat", 4, {})] if quick else \
+        [("baseline", 2, {}), ("tail_batching", 2, {}), ("pat", 4, {}), ("tail_batching+pat", 4, {}),
+         ("planner", 1, {"kv_bytes_per_device": budget})]
     results = []
-    for row, tp in rows:
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, tp=tp, instances=8 // tp))
+    base_engine = cfg.engine
+    for row, tp, extra in rows:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(base_engine, tp=tp, instances=8 // tp, **extra))
         sim = run_row(cfg, row, model_cfg, weights, workload, str(prof_path), real=False)
         CACHE.clear()
         jax.clear_caches()

@@ -261,3 +261,25 @@ def test_controller_refusals():
         SwitchController(Predictor(synthetic(tps=(1, 2, 4))), [4], 6)
     with pytest.raises(ValueError, match="kv="):
         SwitchController(pred, [1, 2], 8, kv="copy")
+
+
+def test_min_gain_keeps_the_layout_unless_the_gain_is_worth_having():
+    """`min_gain` (beyond the paper): a candidate that saves less than that fraction of the remaining time is
+    not taken; with 0 (the paper's rule) the same decision switches."""
+    prof = synthetic(0, reshard=0.0, compile_s=0.0)
+    pred = Predictor(prof)
+    for step, live in trajectory(0)[::3]:
+        d = SwitchController(pred, [1, 2, 4, 8], 8).decide(2, live, step=step)
+        if not d.switch:
+            continue
+        best = next(c for c in d.candidates if c.tp == d.tp)
+        gain = 1 - best.total_s / d.current_s
+        assert gain > 0
+        above = SwitchController(pred, [1, 2, 4, 8], 8, min_gain=min(0.99, gain * 1.01)).decide(2, live, step=step)
+        below = SwitchController(pred, [1, 2, 4, 8], 8, min_gain=gain * 0.99).decide(2, live, step=step)
+        assert not above.switch and below.switch and below.tp == d.tp
+        break
+    else:
+        pytest.fail("the trajectory never switched")
+    with pytest.raises(ValueError, match="min_gain"):
+        SwitchController(pred, [1, 2], 8, min_gain=1.0)

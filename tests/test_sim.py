@@ -205,6 +205,9 @@ def test_cli_writes_the_summary_and_figures(tmp_path):
     # the step record of each row is in the summary; the steps add up to the row's seconds
     steps = s["steps_by_row"]["rollpacker"]
     assert math.isclose(sum(x["step_s"] for x in steps), rows["rollpacker"]["seconds"], rel_tol=1e-9)
+    # the stream trainer freed half the GPUs in the long round (the only round without a race)
+    assert [x["kind"] for x in steps] == ["short"] * 4 + ["long"] and 0 < steps[4]["shrunk_at"] <= 0.5
+    assert not any(x["shrunk_at"] for x in steps[:4])
 
 
 def test_cli_bad_key_is_one_line(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import ConfigError, Section, check_choice, check_int, check_str
+from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
 
 KV_CHOICES = ("auto", "migrate", "recompute")
 
@@ -33,11 +33,15 @@ class AdaptiveTPSection(Section):
     warm: bool = False                     # train warm-up compiles every candidate layout (no compile at a switch)
     precompile: bool = True                # compile unseen candidates' small decode buckets in the background
     precompile_fraction: float = 0.25      # "small": rows up to this fraction of the layout's max batch
+    min_gain: float = 0.0                  # switch only when it saves this fraction of the remaining time (0: the paper's rule)
 
     def __post_init__(self):
         check_int("check_every", self.check_every, minimum=1)
         check_choice("kv", self.kv, KV_CHOICES)
         check_str("profile", self.profile, allow_none=True)
+        check_float("min_gain", self.min_gain)
+        if not 0 <= self.min_gain < 1:
+            raise ConfigError("min_gain", f"{self.min_gain} must be in [0, 1)")
         if not 0 < self.precompile_fraction <= 1:
             raise ConfigError("precompile_fraction", f"{self.precompile_fraction} must be in (0, 1]")
         for t in self.candidates:
@@ -73,7 +77,7 @@ class AdaptiveTPSection(Section):
                 if (why := rollout_tp_problem(model_cfg, t)) is not None:
                     raise SystemExit(f"engine.adaptive_tp.candidates: TP {t} cannot shard this model ({why})")
         try:
-            ctl = SwitchController(pred, cands, devices, kv=self.kv)
+            ctl = SwitchController(pred, cands, devices, kv=self.kv, min_gain=self.min_gain)
         except ValueError as e:
             raise SystemExit(f"engine.adaptive_tp: {e}") from None
         from jaxrl.rollout.precompile import Precompiler

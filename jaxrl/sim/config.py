@@ -75,18 +75,17 @@ class ClusterSection(Section):
     sync_s: float = 0.0                     # profile cost model: the per-step weight sync
     reward_workers: int = 64                # CPU reward workers
     reward_timeout_s: float = 30.0          # T_max of a response's reward
-    driver_bytes_per_s: float = 2.5e8       # single controller: bytes/s through the driver (DistFlow calibration)
-    driver_bytes_per_token: int = 48        # single controller: bytes a token carries across the driver (6 int64/float fields)
-    driver_transfers: int = 6               # single controller: transfers of the batch through the driver per step
+    driver_s_per_token: float = 1.39e-5     # single controller: the driver's seconds per token of the step's samples (fitted: DistFlow)
+    sample_bytes_per_token: int = 48        # a sample's fields per token (ids, masks, positions, log-probs, ...): repartition bytes
     host_step_s: float = 0.0                # host time per engine step, beside the device's
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("bfloat16", "float32"))
         check_int("gpus", self.gpus, minimum=1)
         check_int("reward_workers", self.reward_workers, minimum=1)
-        for name in ("reward_timeout_s", "driver_bytes_per_s"):
-            check_float(name, getattr(self, name), above=0.0)
-        for name in ("train_s_per_token", "forward_s_per_token", "sync_s", "host_step_s"):
+        check_float("reward_timeout_s", self.reward_timeout_s, above=0.0)
+        check_int("sample_bytes_per_token", self.sample_bytes_per_token, minimum=1)
+        for name in ("train_s_per_token", "forward_s_per_token", "sync_s", "host_step_s", "driver_s_per_token"):
             check_float(name, getattr(self, name))
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")

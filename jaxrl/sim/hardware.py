@@ -23,10 +23,13 @@ efficiency); their end-to-end figures are checked against PAT's 8xH100 runs in
 the README ("At cluster scale"), not fitted to them.
 
 `train_mfu` (model FLOPs of the policy update, reference and old log-prob forwards over the step's tokens,
-divided by peak x devices x time) is fitted to PAT's 8xH100 Llama-3.1-8B 24K step: 172.5 s in all, 134.3 s
-of generation, so ~38 s for preparation + training over ~442K tokens (README). `prefill_mfu` is a
-rule-of-thumb 0.5 (prefill is < 10% of generation in these workloads: PAT §2.3, "decoding accounts for
-over 90% of the generation latency").
+divided by peak x devices x time) is fitted to PAT's 8xH100 Llama-3.1-8B 24K step: 172.5 s in all, 134.3 s of
+generation, so 38.2 s outside generation for ~443K generated tokens; less the reward, the sync and the single
+controller's share (`SimConfig.cluster.driver_s_per_token`, fitted to DistFlow), ~29.7 s of forwards and
+update, i.e. 6.2e-5 s per token of prompt + response, which the FLOP count of the simulator's recipe
+(`configs/sim/pat_llama8b_h100.yaml`) reaches at 20.7% of peak. `prefill_mfu` is a rule-of-thumb 0.5
+(prefill is < 10% of generation in these workloads: PAT §2.3, "decoding accounts for over 90% of the
+generation latency").
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class GPU:
     allreduce_bw: float = 8.23e9       # all-reduce bus bandwidth (fitted on A40 PCIe)
     decode_flops_efficiency: float = 0.5   # of peak, for the compute-bound side of a decode step
     prefill_mfu: float = 0.5
-    train_mfu: float = 0.151           # fitted: PAT 8xH100 Llama-3.1-8B 24K non-generation time
+    train_mfu: float = 0.207           # fitted: PAT 8xH100 Llama-3.1-8B 24K non-generation time
     kv_memory_fraction: float = 0.85   # of HBM for rollout weights + KV (vLLM/SGLang gpu_memory_utilization)
     sync_overhead_s: float = 2.0       # fixed cost of a train -> rollout weight sync (reshard set-up, rebuild)
     control_s: float = 0.70            # a PAT switch's fixed cost (graph recapture 0.73 s of PAT's 5.52 s: §5.4)

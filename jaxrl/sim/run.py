@@ -17,8 +17,9 @@ simulated reward pool (`rewards.SimRewardPool`):
   predictions (an oracle, blurred by `ranker_noise`; `Scheduler(order="lpt")` admits longest first), its GPU split
   `balance.best_split` over stage times measured in the baseline row;
 * the training-side stages (log-prob forwards, the update, the weight sync) take the cost model's time for
-  the step's trained tokens; with a single controller (no `multi_controller`) every sample's fields also
-  cross the driver `cluster.driver_transfers` times at `cluster.driver_bytes_per_s`.
+  the step's trained tokens; with a single controller (no `multi_controller`) the driver also spends
+  `cluster.driver_s_per_token` on every token of the step's samples (gathered, padded, re-dispatched at each
+  stage boundary: veRL's data plane), one process for the whole cluster.
 
 Colocated rows run their stages one after the other on all GPUs. Disaggregated rows run the rollout on the
 generation pool while the training pool takes each scored group as it arrives (dynamic-batch pipelining);
@@ -328,7 +329,7 @@ class RowSim:
         pack = self.tc.pack_len or (self.tc.data.max_prompt_len + self.tc.rollout.max_new_tokens)
         plan = plan_tokens(lengths, nodes, home=home, tolerance=pack)
         received = [sum(lengths[i] for i in p if home[i] != q) for q, p in enumerate(plan)]
-        return max(received) * self.cfg.cluster.driver_bytes_per_token / bw
+        return max(received) * self.cfg.cluster.sample_bytes_per_token / bw
 
     def _drawn(self, rows):
         self._placing = [r["index"] for r in rows]
@@ -407,8 +408,7 @@ class RowSim:
         if not self.disagg:
             t = now
             if "multi_controller" not in self.m:
-                rec.driver_s = cfg.cluster.driver_transfers * tokens * cfg.cluster.driver_bytes_per_token \
-                    / cfg.cluster.driver_bytes_per_s
+                rec.driver_s = tokens * cfg.cluster.driver_s_per_token
             if rec.driver_s:
                 tl.add("driver", "driver", t, t + rec.driver_s)
                 t += rec.driver_s
