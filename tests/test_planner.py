@@ -85,6 +85,28 @@ def test_candidates():
         TPPlanner(8, CFG, 1).decide("short", -1)
 
 
+def test_layouts_whose_pool_cannot_hold_a_request_are_not_candidates():
+    """`fits`: the calm rule stops at the smallest TP whose instance holds one max_seq_len request (the
+    simulator found TP2 -> TP1 on a 32B model leaving a pool of 588 pages for a 2064-page request); the
+    memory check is `rollout.memory.holds_request` on abstract weights."""
+    import jax
+
+    from jaxrl.rollout.memory import holds_request
+
+    planner = TPPlanner(8, CFG, 2, fits=lambda tp: tp >= 2)
+    assert planner.candidates == [2, 4, 8]
+    for _ in range(4):
+        d = planner.decide("short", 0)
+    assert d.tp == 2 and "smallest candidate" in d.reason
+    with pytest.raises(ValueError, match="cannot hold a max_seq_len request"):
+        TPPlanner(8, CFG, 1, fits=lambda tp: tp >= 2)
+    # the engine's own count: tiny-qwen3 in float32 is 0.66 MB of weights
+    kw = dict(page_size=16, dtype="float32", max_seq_len=1024)
+    one, two = jax.devices()[:1], jax.devices()[:2]
+    budget = 1_000_000                    # tp 1: 21 pages of 16 tokens; tp 2 (half the weights, half a page): 83
+    assert not holds_request(CFG, one, budget=budget, **kw) and holds_request(CFG, two, budget=budget, **kw)
+
+
 def test_state_dict_resumes_identically():
     counts = [("short", 4), ("long", 0), ("short", 0), ("short", 0), ("long", 2), ("short", 0), ("short", 0),
               ("short", 7), ("long", 0)]

@@ -81,3 +81,31 @@ def instance_pages(cfg: ModelConfig, mesh, weights, *, num_pages: int | None, pa
                          f"{per_page}; a budget of {budget} bytes per device leaves room for {max(pages, 0)} pages "
                          f"(need at least 2): raise kv_bytes_per_device / kv_memory_fraction or use a larger tp")
     return int(pages)
+
+
+def layout_pages(cfg: ModelConfig, devices, *, page_size: int, budget: int, dtype) -> int:
+    """The pages a TP-`len(devices)` instance on `devices` would get under a per-device `budget` of bytes for
+    weights + KV, counted on abstract weights laid out by the rollout rules (nothing is allocated): what the
+    planner checks a layout by before choosing it, and the simulator sizes its pools by. Raises ValueError
+    when the weight shard leaves no room, as `instance_pages` does."""
+    from models import abstract, logical_axes
+    from sharding import padded_vocab_for
+
+    layout = Layout(tp=len(devices))
+    mesh = layout.make_mesh(list(devices))
+    pad = padded_vocab_for(cfg, layout)
+    sh = shardings_for(logical_axes(cfg, vocab_size=pad), mesh, ShardingRules.rollout(cfg, layout))
+    tree = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract(cfg, np.dtype(dtype), vocab_size=pad), sh)
+    return instance_pages(cfg, mesh, tree, num_pages=None, page_size=page_size, max_batch=1, max_seq_len=1,
+                          kv_bytes_per_device=int(budget), kv_dtype=np.dtype(dtype))
+
+
+def holds_request(cfg: ModelConfig, devices, *, page_size: int, budget: int, dtype, max_seq_len: int) -> bool:
+    """Whether an instance on `devices` (`layout_pages` under `budget`) holds one request of `max_seq_len`
+    tokens (the scratch page aside)."""
+    try:
+        pages = layout_pages(cfg, devices, page_size=page_size, budget=budget, dtype=dtype)
+    except ValueError:
+        return False
+    return pages - 1 >= -(-max_seq_len // page_size)

@@ -21,8 +21,9 @@ Decided edge cases:
   the paper); a halving that preempts therefore doubles back at once, and a further halving needs another
   `calm_steps` calm steps, which bounds the oscillation to one round trip per `calm_steps + 1` steps.
 - *Candidates* are the powers of two t <= `max_tp` (default: the pool's device count) that divide the
-  pool's device count (instances = devices // t, every device used) and that the rollout sharding rules
-  accept for the model: `specs_for` of the weights (vocabulary padded by `padded_vocab_for`; heads and mlp
+  pool's device count (instances = devices // t, every device used), whose instances' memory budget holds
+  one request of max_seq_len (`fits`: the simulator found the calm rule halving a 32B model's TP2 to TP1,
+  whose pool could not hold one 32K request), and that the rollout sharding rules accept for the model: `specs_for` of the weights (vocabulary padded by `padded_vocab_for`; heads and mlp
   must divide t) and of the KV cache under `ShardingRules.rollout` (kv heads divide t, or t is a multiple
   of them and they replicate). The same check the service runs, so a candidate always builds. These sets
   are downward closed, so "next candidate up/down" is exactly x2 / /2 whenever that is a candidate.
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 
 import jax
 
@@ -129,7 +130,10 @@ class TPPlanner:
     """Per-round-type rollout TP from preemption counts (see the module docstring for the rule)."""
 
     def __init__(self, devices: int, cfg: ModelConfig, start_tp: int, *, rise: float = 1.05, calm_steps: int = 4,
-                 max_tp: int | None = None):
+                 max_tp: int | None = None, fits: Callable[[int], bool] | None = None):
+        """`fits(tp)`: whether an instance of that TP can hold one request of the engine's max_seq_len in its
+        memory budget (a layout that cannot would refuse every long request); candidates that do not fit are
+        dropped. None: every candidate fits."""
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} must be a positive int (the rollout pool's device count)")
         if not rise >= 1.0:
@@ -140,8 +144,16 @@ class TPPlanner:
             raise ValueError(f"max_tp={max_tp!r} must be a positive int or None")
         self.devices, self.rise, self.calm_steps, self.max_tp = devices, float(rise), calm_steps, max_tp
         self.candidates = candidate_tps(devices, cfg, max_tp)
+        if fits is not None:
+            dropped = [t for t in self.candidates if not fits(t)]
+            self.candidates = [t for t in self.candidates if t not in dropped]
+            if dropped:
+                log.info("planner: TP %s left out: an instance cannot hold a max_seq_len request in its memory "
+                         "budget", dropped)
         if start_tp not in self.candidates:
             why = (f"tp must divide the pool's {devices} devices" if devices % start_tp else
+                   "an instance of it cannot hold a max_seq_len request in the memory budget"
+                   if fits is not None and start_tp in candidate_tps(devices, cfg, max_tp) else
                    f"above max_tp={max_tp}" if max_tp is not None and start_tp > max_tp else
                    rollout_tp_problem(cfg, start_tp) or "not a power of two")
             raise ValueError(f"start_tp={start_tp} is not a candidate TP ({why}); candidates for {devices} devices "

@@ -85,24 +85,18 @@ def _reuse_bytes(cfg: ModelConfig, dtype: str, src: int, dst: int, devices: int)
 
 @functools.lru_cache(maxsize=256)
 def _engine_pages(cfg: ModelConfig, tp: int, page_size: int, budget: int, dtype: str) -> int | None:
-    """`rollout.memory.instance_pages` for a TP-`tp` instance under a per-device `budget`, counted on abstract
-    weights laid out on this process's first `tp` devices (None when it has fewer): the engine's exact count."""
+    """`rollout.memory.layout_pages` on this process's first `tp` devices (None when it has fewer, or when the
+    weights leave no room): the engine's exact count."""
     import jax
 
-    from jaxrl.rollout.memory import instance_pages
-    from models import abstract, logical_axes
-    from sharding import Layout, ShardingRules, padded_vocab_for, shardings_for
+    from jaxrl.rollout.memory import layout_pages
 
     if jax.device_count() < tp:
         return None
-    layout = Layout(tp=tp)
-    mesh = layout.make_mesh(jax.devices()[:tp])
-    pad = padded_vocab_for(cfg, layout)
-    sh = shardings_for(logical_axes(cfg, vocab_size=pad), mesh, ShardingRules.rollout(cfg, layout))
-    tree = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        abstract(cfg, np.dtype(dtype), vocab_size=pad), sh)
-    return instance_pages(cfg, mesh, tree, num_pages=None, page_size=page_size, max_batch=1, max_seq_len=1,
-                          kv_bytes_per_device=budget, kv_dtype=np.dtype(dtype))
+    try:
+        return layout_pages(cfg, jax.devices()[:tp], page_size=page_size, budget=budget, dtype=dtype)
+    except ValueError:
+        return None
 
 
 class _Common:

@@ -189,7 +189,7 @@ class RowSim:
         self.tail = TailBatcher(a.prompts_per_step, a.group_size, tb.eta_prompts, tb.eta_responses) \
             if "tail_batching" in self.m else None
         self.planner = TPPlanner(self.gen_gpus, self.model, e.tp, rise=e.planner.rise, calm_steps=e.planner.calm_steps,
-                                 max_tp=e.planner.max_tp) if "planner" in self.m else None
+                                 max_tp=e.planner.max_tp, fits=self._layout_fits) if "planner" in self.m else None
         at = tc.rewards.adaptive_timeout
         self.pool = SimRewardPool(self.clock, workload, workers=cfg.cluster.reward_workers,
                                   timeout_s=cfg.cluster.reward_timeout_s, timeline=self.timeline,
@@ -206,6 +206,16 @@ class RowSim:
         self._gen_free = self._weights_ready = 0.0
         self._prev_weights_ready = 0.0
         self.retired_preemptions = 0
+
+    def _layout_fits(self, tp: int) -> bool:
+        """The planner's memory check on the cost model's pools: a TP-tp instance holds a max_seq_len request."""
+        e = self.tc.engine
+        try:
+            pages = self.cost.pages(self.model, tp, page_size=e.page_size, max_batch=e.max_batch,
+                                    max_seq_len=e.max_seq_len)
+        except ValueError:
+            return False
+        return pages - 1 >= -(-e.max_seq_len // e.page_size)
 
     # ------------------------------------------------------------------ the workload as a dataset
     def _lengths(self, prompt, params) -> list[int]:

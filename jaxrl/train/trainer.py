@@ -172,7 +172,7 @@ class Trainer:
         if sk.enabled:           # StreamRL: length ranker -> long-tail prompts on dedicated instances, LPT inside
             self.skew = SkewStep(sk, max_prompt_len=cfg.data.max_prompt_len, group_size=cfg.algo.group_size,
                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, tp=e.tp)
-        self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp)    # RollPacker: per-step rollout TP
+        self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp, fits=self._layout_fits)  # RollPacker
         try:        # DistFlow: the step's graph, planned and bound to its functions before any work
             self.flow = Flow.build(cfg, streamed_update=bool(self.stream or self.gstream))
         except GraphError as err:
@@ -193,6 +193,21 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
         self.profiler = Profiler(self.run_dir, cfg.profile_steps)
+
+    def _layout_fits(self, tp: int) -> bool:
+        """Whether a TP-`tp` rollout instance's memory budget holds one max_seq_len request (the planner)."""
+        from jaxrl.rollout.memory import DEFAULT_MEMORY_FRACTION, device_memory, holds_request
+
+        e, devices = self.cfg.engine, self.svc.devices[:tp]
+        budget = e.kv_bytes_per_device
+        if budget is None:
+            total = device_memory(devices)
+            if total is None:
+                return True
+            budget = int(total * (e.kv_memory_fraction or DEFAULT_MEMORY_FRACTION))
+        dtype = jax.tree.leaves(self.params)[0].dtype
+        return holds_request(self.model_cfg, devices, page_size=e.page_size, budget=budget, dtype=dtype,
+                             max_seq_len=e.max_seq_len)
 
     def _kv_capacity(self) -> int:
         """Tokens of one step's exported rollout K/V at most: every sequence at its largest page bucket."""
