@@ -287,7 +287,7 @@ def main(argv=None):
     if args.profile:
         prof = with_shapes(Profile.load(args.profile), engine)
     else:
-        prof = run_profile(cfg, weights, engine, candidates=[1, 2, 4, 8], batches=3 if q else 6,
+        prof = run_profile(cfg, weights, engine, candidates=[1, 2, 4, 8], batches=2 if q else 6,
                            contexts=[16, 48] if q else [16, 96, 192, 384], decode_steps=steps)
         prof.save(path.with_name(path.stem + "_profile.json"))
     profile_s = time.perf_counter() - t0
@@ -310,7 +310,7 @@ def main(argv=None):
         # past its 40 s rendezvous timeout (the process aborts)
         n_req = min(total_batch * tp // 8, 32)
         prompts, lens = requests(n_req, tp, cfg.vocab_size, 8 if q else 40, 40 if q else 300)
-        rows = repeated(svc, prompts, lens, args.max_steps or (12 if q else 60), args.repeats or (1 if q else 3))
+        rows = repeated(svc, prompts, lens, args.max_steps or (6 if q else 60), args.repeats or (1 if q else 3))
         trajectories[tp] = [list(r) for r in rows]
         predicted[tp] = predict(pred, rows, tp)
         errors[tp] = mape(pred, rows, tp)

@@ -78,7 +78,7 @@ def test_train_run_switches_and_returns_home(tmp_path):
     prof.save(tmp_path / "prof.json")
     run = tmp_path / "run"
     _train(run, "steps=2", "save_every=null", "trainer.warmup=true", "engine.tp=1", "engine.instances=8",
-           "train_layout.fsdp=8",
+           "train_layout.fsdp=8", "engine.batch_buckets_per_octave=1", "engine.page_buckets=2",  # fewer to warm
            "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp.profile={tmp_path / 'prof.json'}",
            "engine.adaptive_tp.candidates=[1, 4]", "engine.adaptive_tp.check_every=4",
            "engine.adaptive_tp.kv=recompute", "engine.adaptive_tp.warm=true")

@@ -150,15 +150,20 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tail):
     full, killed = tmp_path / "full", tmp_path / "killed"
     args = ["steps=4", "save_every=1"] + TAIL * (tail == 1) + SKEW * (tail == 2) + (
         POOLS + ["placement=disaggregated", "trainer.async_steps=1"]) * (tail == 3)
-    _train(full, *args)
-    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={killed}", *TINY, *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the uninterrupted run goes alongside the one to be killed (two processes: both cores compile)
+    cmd = [sys.executable, "-m", "jaxrl.train", *TINY, *args]
+    whole = subprocess.Popen([*cmd, f"run_dir={full}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen([*cmd, f"run_dir={killed}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "2").exists():
         assert p.poll() is None and time.time() < deadline, "run ended or stalled before step 2 was saved"
         time.sleep(0.2)
     p.send_signal(signal.SIGKILL)
     p.wait()
+    log = whole.communicate(timeout=600)[0]
+    assert whole.returncode == 0, log[-3000:]
     assert not (killed / "hf").exists()
     out = _train(killed, *args)
     assert "resumed" in out.stdout + out.stderr
