@@ -216,6 +216,29 @@ def test_cli_bad_key_is_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cluster.gpu" in r.stderr and "h100" in r.stderr
 
 
+def test_sweep_resume_keeps_the_points_already_simulated(tmp_path, capsys):
+    """A sweep writes its summary after every point; `--resume` reads a point made from the same config
+    and simulates the others (here: one more value)."""
+    from jaxrl.sim.__main__ import main
+
+    base = ["model=tiny-qwen3", "cluster.dtype=float32", "workload.median=20", "workload.above=64",
+            "workload.prompt_len=16", "rollout.max_new_tokens=64",
+            "engine={tp: 1, instances: 8, max_batch: 16, max_seq_len: 96, page_size: 8}",
+            "algo={prompts_per_step: 4, group_size: 4}", "steps=1", "rows=[baseline]", "sweep=cluster.gpus",
+            "--out", str(tmp_path)]
+    assert main([*base, "values=[8]"]) == 0
+    first = json.loads((tmp_path / "cluster.gpus=8" / "summary.json").read_text())
+    capsys.readouterr()
+    assert main([*base, "values=[8, 16]", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "cluster.gpus=8: read from" in err and "cluster.gpus=16: read from" not in err
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["value"] for p in s["points"]] == [8, 16] and s["complete"]
+    assert s["points"][0]["rows"] == first["rows"]
+    assert main([*base, "values=[8]", "steps=2", "--resume"]) == 0          # another config: simulated again
+    assert "read from" not in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------ no copies
 DECISIONS = {   # mechanism module -> the decision functions and classes the simulator must take from it
     "jaxrl/rollout/scheduler.py": ["Scheduler"],
