@@ -167,7 +167,7 @@ def test_adaptive_code_timeouts_bound_hung_programs():
 # ------------------------------------------------------------------------------------------ configs
 def test_rows_and_their_train_configs():
     from jaxrl.config.base import ConfigError
-    from jaxrl.sim.run import train_config
+    from jaxrl.sim.config import train_config
 
     assert mechanisms_of("tail_batching+pat") == ("tail_batching", "pat")
     with pytest.raises(ConfigError, match="valid: pat"):

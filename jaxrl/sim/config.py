@@ -185,3 +185,33 @@ class SimConfig(Section):
             raise ConfigError("values", f"sweep={self.sweep} needs values")
         from models import PRESETS
         check_choice("model", self.model, PRESETS)
+
+
+def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | None, prompt_len: int):
+    """The `TrainConfig` of a row (its checks refuse what a training run refuses)."""
+    from jaxrl.config.sections import ModelSection
+    from jaxrl.config.train import DataSection, TrainConfig, TrainerSection
+
+    m = set(mechanisms)
+    e, r = cfg.engine, cfg.rollout
+    if gen_gpus % e.tp:
+        raise ConfigError("engine.tp", f"{e.tp} does not divide the rollout pool's {gen_gpus} GPUs")
+    # the engine's pools come from the cost model's memory budget (`cost.pages`); the planner's check wants one said
+    budget = e.kv_memory_fraction if (e.kv_memory_fraction or e.kv_bytes_per_device or e.num_pages) else 0.85
+    try:
+        return TrainConfig(
+            model=ModelSection(preset=cfg.model, dtype=cfg.cluster.dtype),
+            data=DataSection(max_prompt_len=prompt_len),
+            rollout=dataclasses.replace(r, tail_batching=dataclasses.replace(r.tail_batching, enabled="tail_batching" in m),
+                                        skew=dataclasses.replace(r.skew, enabled="skew" in m)),
+            engine=dataclasses.replace(e, instances=gen_gpus // e.tp, kv_memory_fraction=budget,
+                                       adaptive_tp=dataclasses.replace(e.adaptive_tp, enabled="pat" in m, warm=True,
+                                                                       profile=profile if "pat" in m else e.adaptive_tp.profile),
+                                       planner=dataclasses.replace(e.planner, enabled="planner" in m)),
+            algo=cfg.algo,
+            trainer=TrainerSection(stream=dataclasses.replace(cfg.stream, enabled="stream_trainer" in m),
+                                   async_steps=int("async_steps" in m)),
+            placement="disaggregated" if m & {"disaggregated", "async_steps"} else "colocated",
+            seed=cfg.seed, steps=cfg.steps)
+    except ConfigError as err:
+        raise ConfigError(err.key, f"{err.message} (simulator row with {'+'.join(sorted(m)) or 'baseline'})") from None

@@ -13,7 +13,7 @@ Fitted: PAT's Fig. 4 gives four decode latencies of Llama-3.1-8B
 9.64 ms at TP8; a global batch of 128, 24.41 ms at TP2x4 and 30.87 ms at TP8. With the decode model of
 `cost.AnalyticCost` (weights and KV read at `hbm_efficiency` x bandwidth, two ring all-reduces per layer of
 `2(tp-1)` hops of `hop_latency_s` plus their bytes at `allreduce_bw`), the four points fix four unknowns
-exactly (Newton's method; tests/test_sim_cost.py re-checks them): the HBM efficiency (0.746, which absorbs the
+exactly (Newton's method; tests/test_sim.py re-checks them): the HBM efficiency (0.746, which absorbs the
 per-step fixed costs), the hop latency (6.6 us), the PCIe all-reduce bus bandwidth (8.23 GB/s) and the
 batch-128 points' context length, which the paper does not state (1,750 tokens). The Hopper presets keep the fitted
 HBM efficiency; on NVSwitch a small all-reduce is one step (the one-shot / NVLS all-reduces of NCCL and of

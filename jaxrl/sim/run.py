@@ -34,12 +34,10 @@ kernel by kernel.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 
 import numpy as np
 
-from jaxrl.config.base import ConfigError
 from jaxrl.flow.databuffer import plan_tokens
 from jaxrl.rewards.scheduler import RewardScheduler
 from jaxrl.rewards.timeouts import AdaptiveTimeouts
@@ -51,70 +49,12 @@ from jaxrl.train.pipeline import Timeline
 from jaxrl.train.rounds import tail_round
 from jaxrl.train.stream import milestone_due, shrink_plan, take_shrink
 
-from .config import SimConfig, mechanisms_of
+from .config import SimConfig, mechanisms_of, train_config
 from .cost import attended_pairs
+from .records import StepRecord
 from .engine import EOS, Clock, SimService
 from .workload import _normal
 from .rewards import SimRewardPool, SimTokenizer
-
-
-def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | None, prompt_len: int):
-    """The `TrainConfig` of a row (its checks refuse what a training run refuses)."""
-    from jaxrl.config.sections import ModelSection
-    from jaxrl.config.train import DataSection, TrainConfig, TrainerSection
-
-    m = set(mechanisms)
-    e, r = cfg.engine, cfg.rollout
-    if gen_gpus % e.tp:
-        raise ConfigError("engine.tp", f"{e.tp} does not divide the rollout pool's {gen_gpus} GPUs")
-    # the engine's pools come from the cost model's memory budget (`cost.pages`); the planner's check wants one said
-    budget = e.kv_memory_fraction if (e.kv_memory_fraction or e.kv_bytes_per_device or e.num_pages) else 0.85
-    try:
-        return TrainConfig(
-            model=ModelSection(preset=cfg.model, dtype=cfg.cluster.dtype),
-            data=DataSection(max_prompt_len=prompt_len),
-            rollout=dataclasses.replace(r, tail_batching=dataclasses.replace(r.tail_batching, enabled="tail_batching" in m),
-                                        skew=dataclasses.replace(r.skew, enabled="skew" in m)),
-            engine=dataclasses.replace(e, instances=gen_gpus // e.tp, kv_memory_fraction=budget,
-                                       adaptive_tp=dataclasses.replace(e.adaptive_tp, enabled="pat" in m, warm=True,
-                                                                       profile=profile if "pat" in m else e.adaptive_tp.profile),
-                                       planner=dataclasses.replace(e.planner, enabled="planner" in m)),
-            algo=cfg.algo,
-            trainer=TrainerSection(stream=dataclasses.replace(cfg.stream, enabled="stream_trainer" in m),
-                                   async_steps=int("async_steps" in m)),
-            placement="disaggregated" if m & {"disaggregated", "async_steps"} else "colocated",
-            seed=cfg.seed, steps=cfg.steps)
-    except ConfigError as err:
-        raise ConfigError(err.key, f"{err.message} (simulator row with {'+'.join(sorted(m)) or 'baseline'})") from None
-
-
-@dataclasses.dataclass
-class StepRecord:
-    step: int
-    kind: str = "sync"                  # round type: sync, short, long
-    start: float = 0.0
-    end: float = 0.0
-    step_s: float = 0.0
-    rollout_s: float = 0.0              # first engine step to the last
-    reward_s: float = 0.0               # waiting for rewards after the last engine step
-    forward_s: float = 0.0              # log-prob forwards (old policy, reference)
-    train_s: float = 0.0                # the update (its part after the rollout)
-    sync_s: float = 0.0
-    driver_s: float = 0.0               # data plane: through the single driver, or DistFlow's repartition
-    switch_s: float = 0.0               # PAT / planner relayouts
-    engine_steps: int = 0
-    preemptions: int = 0
-    switches: int = 0
-    tp: str = ""
-    prompts: int = 0
-    samples: int = 0
-    response_tokens: int = 0
-    max_response: int = 0
-    aborted: int = 0
-    wasted_tokens: int = 0
-    queue: int = 0
-    shrunk_at: float = 0.0              # stream trainer: fraction of requests finished when GPUs were freed (0: never)
-    early_train_s: float = 0.0          # stream trainer / disaggregated: train work done while the rollout ran
 
 
 class _Worker:
@@ -282,7 +222,7 @@ class RowSim:
         return list(plan.instance), list(plan.priority if sk.lpt else [0.0] * len(prompts))
 
     def step(self, k: int) -> StepRecord:
-        cfg, tc, svc, clock = self.cfg, self.tc, self.svc, self.clock
+        tc, svc, clock = self.tc, self.svc, self.clock
         rec = StepRecord(step=k)
         start = self._step_start()
         clock.now = start
@@ -478,36 +418,4 @@ class RowSim:
         return self.records
 
 
-def busy(timeline: Timeline, gen_gpus: int, train_gpus: int, total: float, disaggregated: bool) -> dict:
-    """Device utilisation over the row: the generation GPUs' decode time, and the training side's stages
-    (on the training pool, or on every GPU when colocated; the stream trainer's on the freed half)."""
-    if total <= 0:
-        return {"gen_busy": 0.0, "train_busy": 0.0}
-    gen = sum(s.end - s.start for s in timeline.spans if s.pool.startswith("gen") and s.kind == "decode")
-    train = sum((s.end - s.start) * train_gpus for s in timeline.spans
-                if s.pool == "train" and s.kind in ("forward", "train", "grad"))
-    train += sum((s.end - s.start) * gen_gpus / 2 for s in timeline.spans if s.pool == "freed")
-    gpus = gen_gpus + train_gpus if disaggregated else gen_gpus
-    return {"gen_busy": gen / (gen_gpus * total), "train_busy": train / (train_gpus * total),
-            "gpu_busy": (gen + train) / (gpus * total)}
-
-
-def summarize(records: list[StepRecord], mechanisms) -> dict:
-    """A row of summary.json: totals and per-step means over the row's steps."""
-    n = len(records)
-    total = records[-1].end if records else 0.0
-    prompts = sum(r.prompts for r in records)
-    mean = lambda f: float(np.mean([getattr(r, f) for r in records])) if records else 0.0
-    kinds = collections.Counter(r.kind for r in records)
-    return {"mechanisms": list(mechanisms), "steps": n, "seconds": total, "step_s": total / max(n, 1),
-            "s_per_prompt": total / max(prompts, 1), "rollout_s": mean("rollout_s"), "reward_s": mean("reward_s"),
-            "forward_s": mean("forward_s"), "train_s": mean("train_s"), "sync_s": mean("sync_s"),
-            "driver_s": mean("driver_s"), "switch_s": mean("switch_s"), "engine_steps": mean("engine_steps"),
-            "preemptions": int(sum(r.preemptions for r in records)), "switches": int(sum(r.switches for r in records)),
-            "rounds": dict(kinds), "tokens_per_s": sum(r.response_tokens for r in records) / max(total, 1e-9),
-            "wasted_tokens": int(sum(r.wasted_tokens for r in records)),
-            "max_response": int(max((r.max_response for r in records), default=0)),
-            "early_train_s": mean("early_train_s")}
-
-
-__all__ = ["RowSim", "StepRecord", "summarize", "train_config"]
+__all__ = ["RowSim"]

@@ -20,7 +20,8 @@ from jaxrl.config.base import ConfigError
 from jaxrl.train.balance import best_split, scaled
 
 from .config import SimConfig, mechanisms_of
-from .run import RowSim, busy, summarize
+from .records import busy, summarize
+from .run import RowSim
 
 
 def build_cost(cfg: SimConfig, model):
