@@ -22,23 +22,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The static TP1 x 8 layout was never the best static layout in these recipes (its 8 instances each hold the
+# whole model and the longest responses decode at TP1 speed); the sweeps start at TP2 to save simulation time.
+PAT_SWEEP = ["sweep=engine.tp", "values=[2, 4, 8]"]
+
 # name -> (recipe, extra command-line overrides)
 RECIPES = {
-    "pat_llama8b_h100": ("pat_llama8b_h100.yaml", ["sweep=engine.tp", "values=[1, 2, 4, 8]"]),
-    "pat_qwen3_14b_h100": ("pat_qwen3_14b_h100.yaml", ["sweep=engine.tp", "values=[1, 2, 4, 8]"]),
-    "pat_llama8b_a40": ("pat_llama8b_a40.yaml", ["sweep=engine.tp", "values=[1, 2, 4, 8]"]),
-    "pat_llama8b_h100_nodes": ("pat_llama8b_h100_nodes.yaml", []),
+    "pat_llama8b_h100": ("pat_llama8b_h100.yaml", PAT_SWEEP),
+    "pat_qwen3_14b_h100": ("pat_qwen3_14b_h100.yaml", PAT_SWEEP),
+    "pat_llama8b_a40": ("pat_llama8b_a40.yaml", PAT_SWEEP),
+    "pat_llama8b_h100_nodes": ("pat_llama8b_h100_nodes.yaml", ["steps=2"]),
     "rollpacker_qwen25_7b_h800": ("rollpacker_qwen25_7b_h800.yaml", []),
     "rollpacker_qwen25_14b_h800": ("rollpacker_qwen25_14b_h800.yaml", []),
     "rollpacker_qwen25_32b_h800": ("rollpacker_qwen25_32b_h800.yaml", []),
     "rollpacker_scale_14b_h800": ("rollpacker_qwen25_14b_h800.yaml",
-                                  ["rows=[baseline, rollpacker, all]", "steps=5", "prompts_per_gpu=4",
+                                  ["rows=[baseline, rollpacker]", "steps=3", "prompts_per_gpu=4",
                                    "sweep=cluster.gpus", "values=[32, 64, 128]"]),
     "streamrl_qwen25_14b_h800": ("rollpacker_qwen25_14b_h800.yaml",
                                  ["rows=[baseline, streamrl, 'disaggregated+skew+async_reward+async_steps', "
                                   "'disaggregated+async_reward']", "out=runs/sim/streamrl_qwen25_14b_h800"]),
     "distflow_qwen25_7b_h100": ("distflow_qwen25_7b_h100.yaml",
-                                ["sweep=cluster.gpus", "values=[8, 16, 32, 64, 128, 256, 512, 1024]"]),
+                                ["sweep=cluster.gpus", "values=[8, 16, 32, 64, 128, 256, 512]", "steps=2"]),
+    # the curve's last point: one step (a step of 1024 GPUs' 16K sequences takes ~20 min to simulate on 2 cores)
+    "distflow_qwen25_7b_h100_1024": ("distflow_qwen25_7b_h100.yaml", ["cluster.gpus=1024", "steps=1"]),
 }
 
 # The papers' figures (see jaxrl/sim/hardware.py and the README for where each comes from).
@@ -132,15 +138,49 @@ def rows_table(s: dict) -> str:
 
 
 def sweep_table(s: dict, rows: list[str], metric: str = "tokens_per_s") -> str:
-    head = "| " + s["sweep"] + " | " + " | ".join(f"{r} {metric}" for r in rows) + " | " + \
-           " | ".join(f"{r} speedup" for r in rows[1:]) + " |"
-    lines = [head, "|" + "---|" * (1 + 2 * len(rows) - 1)]
+    head = "| " + s["sweep"] + " | steps | " + " | ".join(f"{r} step s" for r in rows) + " | " + \
+           " | ".join(f"{r} {metric}" for r in rows) + " | " + " | ".join(f"{r} speedup" for r in rows[1:]) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(rows) - 1)]
     for p in s["points"]:
         by = {r["row"]: r for r in p["rows"]}
+        steps = len(p["steps_by_row"][rows[0]])
+        secs = [f"{by[r]['step_s']:.1f}" for r in rows]
         vals = [f"{by[r][metric]:.0f}" for r in rows]
         sp = [f"{by[r]['speedup_vs_baseline']:.2f}x" for r in rows[1:]]
-        lines.append(f"| {p['value']} | " + " | ".join(vals) + " | " + " | ".join(sp) + " |")
+        lines.append(f"| {p['value']} | {steps} | " + " | ".join(secs) + " | " + " | ".join(vals) + " | " +
+                     " | ".join(sp) + " |")
     return "\n".join(lines) + "\n"
+
+
+def scaling_plot(s: dict, path: Path) -> dict:
+    """DistFlow's scaling curve: tokens/s of both rows against GPUs, with linear scaling from 8 GPUs; returns
+    each row's per-GPU throughput retention from 64 GPUs to the largest point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [int(p["value"]) for p in s["points"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    out = {}
+    for row, style in (("baseline", "o-"), ("distflow", "s-")):
+        ys = [next(r["tokens_per_s"] for r in p["rows"] if r["row"] == row) for p in s["points"]]
+        ax.plot(xs, ys, style, label={"baseline": "single controller (veRL-like)",
+                                      "distflow": "multi-controller (DistFlow)"}[row])
+        per = {x: y / x for x, y in zip(xs, ys)}
+        if 64 in per:
+            out[row] = {"retention_64_to_max": per[max(xs)] / per[64], "max_gpus": max(xs)}
+    y0 = next(r["tokens_per_s"] for r in s["points"][0]["rows"] if r["row"] == "distflow")
+    ax.plot(xs, [y0 * x / xs[0] for x in xs], "k:", label="linear from 8 GPUs")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs (H100, 8 per node; 16 sequences per GPU)")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("Qwen2.5-7B GRPO, simulated")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def main(argv=None) -> int:
@@ -170,7 +210,16 @@ def main(argv=None) -> int:
         md.append("#### RollPacker's ladder (cumulative speedup over the baseline)\n\n" + ladder_table(ladder))
         for n, s in ladder.items():
             md.append(f"#### {n}\n\n" + rows_table(s))
-    for name, rows in (("rollpacker_scale_14b_h800", ["baseline", "rollpacker", "all"]),
+    if "distflow_qwen25_7b_h100" in results and "distflow_qwen25_7b_h100_1024" in results:
+        extra = results["distflow_qwen25_7b_h100_1024"]["summary"]       # the curve's last point
+        points = results["distflow_qwen25_7b_h100"]["summary"]["points"]
+        points[:] = [p for p in points if int(p["value"]) != 1024]
+        points.append({"value": 1024, "rows": extra["rows"], "steps_by_row": extra["steps_by_row"],
+                       "workload": extra["workload"]})
+    if "distflow_qwen25_7b_h100" in results:
+        results["distflow_qwen25_7b_h100"]["scaling"] = scaling_plot(
+            results["distflow_qwen25_7b_h100"]["summary"], out.parent / "sim_distflow_scaling.png")
+    for name, rows in (("rollpacker_scale_14b_h800", ["baseline", "rollpacker"]),
                        ("distflow_qwen25_7b_h100", ["baseline", "distflow"]),
                        ("pat_llama8b_h100_nodes", ["baseline", "pat"])):
         if name in results:
