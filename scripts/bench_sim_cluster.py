@@ -36,11 +36,11 @@ RECIPES = {
     "rollpacker_qwen25_14b_h800": ("rollpacker_qwen25_14b_h800.yaml", []),
     "rollpacker_qwen25_32b_h800": ("rollpacker_qwen25_32b_h800.yaml", []),
     "rollpacker_scale_14b_h800": ("rollpacker_qwen25_14b_h800.yaml",
-                                  ["rows=[baseline, rollpacker]", "steps=3", "prompts_per_gpu=4",
+                                  ["rows=[baseline, rollpacker]", "steps=5", "prompts_per_gpu=4",
                                    "sweep=cluster.gpus", "values=[32, 64, 128]"]),
     "streamrl_qwen25_14b_h800": ("rollpacker_qwen25_14b_h800.yaml",
                                  ["rows=[baseline, streamrl, 'disaggregated+skew+async_reward+async_steps', "
-                                  "'disaggregated+async_reward']", "out=runs/sim/streamrl_qwen25_14b_h800"]),
+                                  "'disaggregated+async_reward']", "steps=6"]),
     "distflow_qwen25_7b_h100": ("distflow_qwen25_7b_h100.yaml",
                                 ["sweep=cluster.gpus", "values=[8, 16, 32, 64, 128, 256, 512]", "steps=2"]),
     # the curve's last point: one step (a step of 1024 GPUs' 16K sequences takes ~20 min to simulate on 2 cores)
@@ -145,7 +145,8 @@ def sweep_table(s: dict, rows: list[str], metric: str = "tokens_per_s") -> str:
         by = {r["row"]: r for r in p["rows"]}
         steps = len(p["steps_by_row"][rows[0]])
         secs = [f"{by[r]['step_s']:.1f}" for r in rows]
-        vals = [f"{by[r][metric]:.0f}" for r in rows]
+        vals = [f"{1 / by[r]['s_per_prompt']:.2f}" if metric == "prompts_per_s" else f"{by[r][metric]:.0f}"
+                for r in rows]
         sp = [f"{by[r]['speedup_vs_baseline']:.2f}x" for r in rows[1:]]
         lines.append(f"| {p['value']} | {steps} | " + " | ".join(secs) + " | " + " | ".join(vals) + " | " +
                      " | ".join(sp) + " |")
@@ -223,7 +224,8 @@ def main(argv=None) -> int:
                        ("distflow_qwen25_7b_h100", ["baseline", "distflow"]),
                        ("pat_llama8b_h100_nodes", ["baseline", "pat"])):
         if name in results:
-            md.append(f"#### {name}\n\n" + sweep_table(results[name]["summary"], rows))
+            metric = "prompts_per_s" if name == "rollpacker_scale_14b_h800" else "tokens_per_s"   # RollPacker Fig. 14
+            md.append(f"#### {name}\n\n" + sweep_table(results[name]["summary"], rows, metric))
     if "streamrl_qwen25_14b_h800" in results:
         md.append("#### streamrl_qwen25_14b_h800\n\n" + rows_table(results["streamrl_qwen25_14b_h800"]["summary"]))
     out.write_text(json.dumps(results, indent=1, default=float))

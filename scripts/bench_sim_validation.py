@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "scripts/results/bench_sim_validation.json"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", action="append", help="run this row only (repeatable); the out file's other rows stay")
     args = ap.parse_args(argv)
     import jax
 
@@ -169,6 +170,12 @@ def main(argv=None) -> int:
     rows = [("baseline", 2, {}), ("pat", 4, {})] if quick else \
         [("baseline", 2, {}), ("tail_batching", 2, {}), ("pat", 4, {}), ("tail_batching+pat", 4, {}),
          ("planner", 1, {"kv_bytes_per_device": budget})]
+    if args.only:
+        unknown = set(args.only) - {r[0] for r in rows}
+        if unknown:
+            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; valid: {[r[0] for r in rows]}")
+        rows = [r for r in rows if r[0] in args.only]
+    kept = json.loads(out.read_text())["rows"] if args.only and out.exists() else []
     results = []
     base_engine = cfg.engine
     for row, tp, extra in rows:
@@ -193,6 +200,8 @@ def main(argv=None) -> int:
         print(f"[validation] {row:>20}: counts equal {equal}; rollout {results[-1]['rollout_s_sim']:.2f} s simulated "
               f"vs {results[-1]['rollout_s_real']:.2f} s measured (worst step {results[-1]['time_error_max']:.1%})",
               file=sys.stderr)
+    order = [r["row"] for r in kept] + [r["row"] for r in results if r["row"] not in {k["row"] for k in kept}]
+    results = [next(r for r in results + kept if r["row"] == name) for name in order]   # new rows replace old ones
     summary = {"model_params": model_cfg.param_count(), "engine": dataclasses.asdict(engine), "workload":
                workload.summary(), "rows": results, "all_counts_equal": all(r["counts_equal"] for r in results),
                "max_abs_time_error": max(r["time_error_max"] for r in results),
