@@ -44,6 +44,16 @@ def _train(run_dir, *extra, timeout=600, env=None):
     return p
 
 
+def _train_together(*runs, timeout=600):
+    """`_train` for each (run_dir, *extra) at once: independent runs overlap their compilations on the cores."""
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train", f"run_dir={d}", *TINY, *extra], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for d, *extra in runs]
+    for p in procs:
+        out = p.communicate(timeout=timeout)[0]
+        assert p.returncode == 0, out[-6000:]
+
+
 def _params(run_dir):
     return [np.asarray(x) for x in jax.tree.leaves(load_hf(Path(run_dir) / "hf")[1])]
 
@@ -359,8 +369,8 @@ def test_stream_trainer_step_equals_synchronous(tmp_path):
     summation order) the same losses and weights as the synchronous trainer; nothing compiles after step 0."""
     common = ["steps=2", "save_every=null", "engine.instances=2", "train_layout.fsdp=2", "trainer.micro_batch_tokens=256",
               "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "algo.kl_coef=0.05", "algo.entropy_coef=0.01"]
-    _train(tmp_path / "sync", *common)
-    _train(tmp_path / "stream", *common, "trainer.stream.enabled=true", "trainer.warmup=true")
+    _train_together((tmp_path / "sync", *common),
+                    (tmp_path / "stream", *common, "trainer.stream.enabled=true", "trainer.warmup=true"))
     sync, stream = _metrics(tmp_path / "sync"), _metrics(tmp_path / "stream")
     for a, b in zip(sync, stream):
         for key in ("reward_mean", "response_len_mean", "response_len_max"):
@@ -378,8 +388,7 @@ def test_dynamic_sampling_with_no_signal_trains_nothing(tmp_path):
     warm start the weights never move and each step reports the whole batch short."""
     warm, run = tmp_path / "warm", tmp_path / "run"
     const = ["rewards.fn=tests.test_dynamic_sampling:constant_reward", "steps=2", "save_every=null"]
-    _train(warm, "steps=0")
-    _train(run, *TAIL, *DYNAMIC, *const)
+    _train_together((warm, "steps=0"), (run, *TAIL, *DYNAMIC, *const))
     for a, b in zip(_params(warm), _params(run)):
         np.testing.assert_array_equal(a, b)
     rows = _metrics(run)
@@ -392,8 +401,8 @@ def test_disaggregated_equals_colocated(tmp_path):
     """Dynamic-batch pipelining on a separate train pool: the same rollouts and, after 2 updates, the same
     weights within float tolerance (the streamed micro-batches pack groups in arrival order)."""
     col, dis = tmp_path / "col", tmp_path / "dis"
-    _train(col, "steps=2", "save_every=null", *POOLS)
-    _train(dis, "steps=2", "save_every=null", *POOLS, "placement=disaggregated")
+    _train_together((col, "steps=2", "save_every=null", *POOLS),
+                    (dis, "steps=2", "save_every=null", *POOLS, "placement=disaggregated"))
     m1, m2 = _metrics(col), _metrics(dis)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
@@ -408,8 +417,7 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     the previous step trains) are the synchronous ones; staleness is 0 at the first step, then exactly 1."""
     sync, asy = tmp_path / "sync", tmp_path / "async"
     common = ["steps=3", "save_every=null", "optim.lr=0", *POOLS, "placement=disaggregated"]
-    _train(sync, *common)
-    _train(asy, *common, "trainer.async_steps=1")
+    _train_together((sync, *common), (asy, *common, "trainer.async_steps=1"))
     m1, m2 = _metrics(sync), _metrics(asy)
     for key in ROLLOUT_KEYS + ["loss", "clip_frac"]:
         assert [r[key] for r in m1] == pytest.approx([r[key] for r in m2], abs=1e-6), key
