@@ -14,7 +14,9 @@ from jaxrl.config.generate import EngineSection
 from jaxrl.config.profile import ProfileConfig
 from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.rollout.adaptive_tp import Live, Predictor, Profile, by_group
-from jaxrl.rollout.profile import batch_grid, context_grid, fits, main
+from jaxrl.rollout.adaptive_tp import Padded
+from jaxrl.rollout.profile import batch_grid, context_grid, fits, main, run_profile, shape_grid
+from jaxrl.rollout.shapes import ShapeBuckets
 from models import PRESETS, init
 
 ARGS = ["model.preset=tiny-qwen3", "engine.tp=1", "engine.instances=4", "engine.max_batch=4", "engine.page_size=8",
@@ -64,11 +66,46 @@ def test_profile_cli_measures_caches_and_predicts(tmp_path, capsys):
     assert json.loads(out2.read_text()) == json.loads(out.read_text())
 
 
+def test_shape_grid_puts_every_timed_step_in_one_padded_shape():
+    sh = ShapeBuckets.build(max_batch=24, max_seq_len=512, page_size=16, prefill_chunk=64, prefill_tokens=256,
+                            per_octave=2, page_buckets=4)
+    for steps in (2, 12):
+        batches, contexts = shape_grid(sh, steps)
+        assert batches == list(sh.batch)
+        pad = Padded({"batch": list(sh.batch), "pages": list(sh.pages), "page_size": 16})
+        assert len(contexts) == len(sh.pages)
+        for n, w in zip(contexts, sorted(sh.pages)):
+            # after prefill the context is n + 1; the timed steps reach n + 1 + steps
+            assert {int(pad.width(c)) for c in range(n + 1, n + steps + 2)} == {w * 16}
+    # 60 steps span more than one width's 64 tokens: only the widths they fit in are kept
+    assert shape_grid(sh, 60)[1] == [4 * 16 - 63, 8 * 16 - 63, 16 * 16 - 63, 32 * 16 - 63]
+    assert shape_grid(sh, 70)[1] == [16 * 16 - 73, 32 * 16 - 73]
+
+
+def test_shapes_grid_with_passes_measures_each_engine_shape():
+    """`grid=shapes`: one decode row per (rows bucket, width) that fits; `passes=2` keeps one (median) row
+    per point; the key records the method."""
+    cfg = PRESETS["tiny-qwen3"]
+    engine = EngineSection(tp=1, instances=2, max_batch=4, page_size=8, max_seq_len=64, overlap=False)
+    prof = run_profile(cfg, init(jax.random.key(0), cfg), engine, candidates=[1], decode_steps=2, grid="shapes",
+                       passes=2, progress=False)
+    lp = prof.layouts[1]
+    pad = Padded(lp.shapes)
+    shapes = [(int(pad.rows(b)), int(pad.width(n))) for b, n, _ in lp.decode]
+    assert len(shapes) == len(set(shapes)) == len(lp.prefill)
+    assert {b for b, _ in shapes} == set(lp.shapes["batch"]) and all(s > 0 for *_, s in lp.decode)
+    assert prof.key["method"] == {"grid": "shapes", "passes": 2}
+
+
 def test_config_refusals():
     with pytest.raises(ConfigError, match="candidates"):
         load_config(ProfileConfig, ["engine.tp=1", "engine.instances=4", "candidates=[8]"])
     with pytest.raises(ConfigError, match="decode_steps"):
         load_config(ProfileConfig, ["decode_steps=0"])
+    with pytest.raises(ConfigError, match="grid"):
+        load_config(ProfileConfig, ["grid=dense"])
+    with pytest.raises(ConfigError, match="passes"):
+        load_config(ProfileConfig, ["passes=0"])
     with pytest.raises(ConfigError, match="profile"):
         load_config(EngineSection, ["adaptive_tp.enabled=true"])
 

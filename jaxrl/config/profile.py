@@ -24,7 +24,9 @@ class ProfileConfig(Section):
     candidates: tuple[int, ...] = ()       # TP sizes to profile (empty = every one the pool and heads allow)
     batches: int = 10                      # batch sizes per layout, geometric over [1, max batch per instance]
     contexts: tuple[int, ...] = ()         # context lengths (empty = 16..512 dense, then doubling to max_seq_len)
-    decode_steps: int = 60                 # decode steps averaged per point (the paper's 60; fewer on a CPU)
+    decode_steps: int = 60                 # decode steps timed per point, their median (the paper's 60; fewer on a CPU)
+    grid: str = "paper"                    # paper: batches x contexts; shapes: the XLA decode path's padded shapes
+    passes: int = 1                        # times the whole grid is measured (each point: the median of its passes)
     seed: int = 0                          # random prompt tokens
     out: str = "profile.json"              # the profile (a PNG of the latencies goes beside it)
     cache_dir: str = "~/.cache/jaxrl/profiles"   # profiles by key (model shape, device, dtype, pool, engine)
@@ -33,6 +35,9 @@ class ProfileConfig(Section):
     def __post_init__(self):
         check_int("batches", self.batches, minimum=1)
         check_int("decode_steps", self.decode_steps, minimum=1)
+        check_int("passes", self.passes, minimum=1)
+        if self.grid not in ("paper", "shapes"):
+            raise ConfigError("grid", f"must be 'paper' or 'shapes', got {self.grid!r}")
         check_int("seed", self.seed, minimum=0)
         check_str("out", self.out)
         check_str("cache_dir", self.cache_dir)

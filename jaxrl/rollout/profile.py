@@ -8,10 +8,14 @@ group:
 * decode: a grid of `batches` (10) batch sizes over [1, engine.max_batch] (geometric) × context lengths
   (denser below 512), kept where B·(L + decode_steps) ≤ T_cap, the instance's KV pool in tokens (from
   the engine's page budget). Per point, B random-token prompts of length L are prefilled (their prefill
-  time recorded: T_prefill(B, L)), then `decode_steps` decode steps are timed and averaged (60 on a GPU
-  as in the paper; fewer on the CPU by setting it), with the engine's own `overlap` (on: step n+1 is
-  dispatched before n is read, so the time is the steady-state step with the host's work hidden). A step's context is L + its index, so the row is
-  recorded at the mean context L + (decode_steps + 1) / 2;
+  time recorded: T_prefill(B, L)), then `decode_steps` decode steps run back to back, each timed from the
+  end of the one before, and their median kept (60 on a GPU as in the paper; fewer on the CPU by setting
+  it), with the engine's own `overlap` (on: step n+1 is dispatched before n is read, so the time is the
+  steady-state step with the host's work hidden). A step's context is L + its index, so the row is
+  recorded at the mean context L + (decode_steps + 1) / 2. `passes` > 1 measures the whole grid that many
+  times and keeps each point's median (a shared host's bursts of load then hit one pass of a point).
+  `grid=shapes` (XLA decode path) replaces the batches x contexts grid with the shapes the engine runs: every
+  rows bucket x one context inside each page-table width (`shape_grid`);
 * shapes: with the XLA decode path, the padded decode shapes the layout's instances run (rows ladder,
   page-table widths), so the predictor can map a batch to the shape it actually runs (`adaptive_tp.Padded`);
 * compile: the seconds to compile the layout's whole bounded step set on its first TP group, times the
@@ -60,10 +64,15 @@ def context_grid(max_len: int) -> list[int]:
     return out or [max(1, max_len)]
 
 
-def profile_key(model_cfg, device_kind: str, dtype: str, devices: int, engine: dict, decode_steps: int) -> dict:
+def profile_key(model_cfg, device_kind: str, dtype: str, devices: int, engine: dict, decode_steps: int,
+                method: dict | None = None) -> dict:
+    """`method`: how the grid was measured ({"grid", "passes"}), when not the defaults (paper, 1)."""
     shape = json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str)
-    return {"model": hashlib.sha256(shape.encode()).hexdigest()[:16], "device": device_kind, "dtype": dtype,
-            "devices": devices, "engine": engine, "decode_steps": decode_steps}
+    key = {"model": hashlib.sha256(shape.encode()).hexdigest()[:16], "device": device_kind, "dtype": dtype,
+           "devices": devices, "engine": engine, "decode_steps": decode_steps}
+    if method and method != {"grid": "paper", "passes": 1}:
+        key["method"] = method
+    return key
 
 
 def cache_path(cache_dir: str | Path, key: dict) -> Path:
@@ -75,36 +84,22 @@ def _prompts(rng, batch: int, length: int, vocab: int) -> list[list[int]]:
     return [rng.integers(1, vocab, size=length).tolist() for _ in range(batch)]
 
 
-def measure_point(svc, rng, batch: int, length: int, decode_steps: int, vocab: int,
-                  timer=time.perf_counter) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step) of `batch` random prompts of `length` tokens on instance 0
-    (`timer`: the clock read; the simulator profiles its cost model on its virtual one)."""
-    from jaxrl.rollout import SamplingParams
-
-    params = SamplingParams(max_new_tokens=decode_steps + 2, temperature=0.0, stop_token_ids=())
-    t0 = timer()
-    rids = [svc.add(p, params, instance=0)[0] for p in _prompts(rng, batch, length, vocab)]
-    while True:                                     # until every sequence has its first token
-        svc.step()
-        stats = {s["request_id"]: s for s in svc.sequence_stats()}
-        if all(r in stats and stats[r]["generated"] >= 1 and stats[r]["state"] == "running" for r in rids):
-            break
-    prefill = timer() - t0
-    t1 = timer()
+def _timed_steps(svc, decode_steps: int, timer) -> float:
+    """The median of `decode_steps` back-to-back decode steps, each timed from the end of the one before
+    (a step returns with work still in flight; timing `step()` alone would miss it, and a gap between steps
+    would hide it); the median, because a shared host stalls in bursts that a mean would average in."""
+    times, t = [], timer()
     for _ in range(decode_steps):
         svc.step()
-    # each step reads one result: with the engine's overlap (step n+1 in flight while n is read) this is the
-    # steady-state step the engine runs, host work hidden behind the device's; without, host + device
-    decode = (timer() - t1) / decode_steps
-    svc.pause()
-    for r in rids:
-        svc.abort(r)
-    return prefill, decode
+        now = timer()
+        times.append(now - t)
+        t = now
+    return float(np.median(times))
 
 
-def _decode_time(svc, rng, batch: int, length: int, decode_steps: int, vocab: int, instances, timer) -> float:
-    """Seconds per decode step with `batch` prompts of `length` tokens on each of `instances` (as in
-    `measure_point`: every sequence running, then `decode_steps` steps timed, the in-flight one drained)."""
+def _start(svc, rng, batch: int, length: int, decode_steps: int, vocab: int, instances) -> list[int]:
+    """`batch` random prompts of `length` tokens on each of `instances`, stepped until every one is running
+    with its first token."""
     from jaxrl.rollout import SamplingParams
 
     params = SamplingParams(max_new_tokens=decode_steps + 2, temperature=0.0, stop_token_ids=())
@@ -113,14 +108,35 @@ def _decode_time(svc, rng, batch: int, length: int, decode_steps: int, vocab: in
         svc.step()
         stats = {s["request_id"]: s for s in svc.sequence_stats()}
         if all(r in stats and stats[r]["generated"] >= 1 and stats[r]["state"] == "running" for r in rids):
-            break
-    t1 = timer()
-    for _ in range(decode_steps):
-        svc.step()
-    out = (timer() - t1) / decode_steps
+            return rids
+
+
+def _stop(svc, rids) -> None:
     svc.pause()
     for r in rids:
         svc.abort(r)
+
+
+def measure_point(svc, rng, batch: int, length: int, decode_steps: int, vocab: int,
+                  timer=time.perf_counter) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) of `batch` random prompts of `length` tokens on instance 0
+    (`timer`: the clock read; the simulator profiles its cost model on its virtual one). With the engine's
+    overlap (step n+1 in flight while n is read) the step is the steady-state one, host work hidden behind
+    the device's; without, host + device."""
+    t0 = timer()
+    rids = _start(svc, rng, batch, length, decode_steps, vocab, [0])
+    prefill = timer() - t0
+    decode = _timed_steps(svc, decode_steps, timer)
+    _stop(svc, rids)
+    return prefill, decode
+
+
+def _decode_time(svc, rng, batch: int, length: int, decode_steps: int, vocab: int, instances, timer) -> float:
+    """Seconds per decode step with `batch` prompts of `length` tokens on each of `instances` (as in
+    `measure_point`)."""
+    rids = _start(svc, rng, batch, length, decode_steps, vocab, instances)
+    out = _timed_steps(svc, decode_steps, timer)
+    _stop(svc, rids)
     return out
 
 
@@ -150,29 +166,43 @@ def fits(batch: int, length: int, decode_steps: int, cap: int, max_seq_len: int)
     return batch * (length + decode_steps + 2) <= cap and length + decode_steps + 2 <= max_seq_len
 
 
+def shape_grid(shapes, decode_steps: int) -> tuple[list[int], list[int]]:
+    """The XLA decode path's grid (`grid=shapes`): every rows bucket, and per page-table width one context
+    whose timed steps all run that width (the engine runs a finite set of padded shapes; this measures each
+    one instead of points that fall between them)."""
+    ps, pages = shapes.page_size, sorted(shapes.pages)
+    contexts = []
+    for prev, w in zip([0] + pages, pages):
+        n = w * ps - decode_steps - 3              # the last timed step's context: w * ps - 2, the width's top
+        if n >= 1 and (n + 1 + ps) // ps > prev:   # the first one's still past the narrower width
+            contexts.append(n)
+    return list(shapes.batch), contexts
+
+
 def measure_layout(svc, tp: int, batches, contexts, decode_steps: int, vocab: int, rng, bar=None,
-                   timer=time.perf_counter, contention: bool = True) -> LayoutProfile:
-    """Compile time, then every (B, L) of the grid that fits T_cap on the layout's first TP group (and, with
-    `contention`, how much the layout's instances slow each other)."""
+                   timer=time.perf_counter, contention: bool = True, passes: int = 1) -> LayoutProfile:
+    """Compile time, then every (B, L) of the grid that fits T_cap on the layout's first TP group, `passes`
+    times over the whole grid (each point: the median of its passes, so a burst of host load hits one pass of
+    a point, not all of them), and, with `contention`, how much the layout's instances slow each other."""
     cap = token_cap(svc)
     t0 = timer()
     svc.instances[0].warm()                   # only the first TP group is measured
     # executables are per device set: a layout seen for the first time compiles its step set once per
     # instance (one after the other on one host)
     compile_s = (timer() - t0) * len(svc.instances)
-    dec, pre = [], []
-    for b in batches:
-        for n in contexts:
-            if not fits(b, n, decode_steps, cap, svc.max_seq_len):
-                if bar is not None:
-                    bar.update(1)
-                continue
+    grid = [(b, n) for b in batches for n in contexts if fits(b, n, decode_steps, cap, svc.max_seq_len)]
+    if bar is not None:
+        bar.update(len(batches) * len(contexts) * passes - len(grid) * passes)
+    runs: dict[tuple[int, int], list[tuple[float, float]]] = {g: [] for g in grid}
+    for _ in range(passes):
+        for b, n in grid:
             p, d = measure_point(svc, rng, b, n, decode_steps, vocab, timer)
-            pre.append((b, n, p))
-            dec.append((b, n + (decode_steps + 1) // 2, d))
+            runs[b, n].append((p, d))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(tp=tp, batch=b, context=n, ms=f"{d * 1e3:.2f}")
+    pre = [(b, n, float(np.median([r[0] for r in runs[b, n]]))) for b, n in grid]
+    dec = [(b, n + (decode_steps + 1) // 2, float(np.median([r[1] for r in runs[b, n]]))) for b, n in grid]
     sh = svc.instances[0].shapes
     shapes = None if svc.instance_kw["attention_impl"] != "xla" else \
         {"batch": list(sh.batch), "pages": list(sh.pages), "page_size": sh.page_size}
@@ -224,28 +254,37 @@ def measure_switches(svc, tps: list[int], prof_layers: int, kv_bytes_per_token_l
 
 
 def run_profile(model_cfg, weights, engine, *, candidates=None, batches: int = 10, contexts=None,
-                decode_steps: int = 60, seed: int = 0, progress: bool = True) -> Profile:
+                decode_steps: int = 60, seed: int = 0, progress: bool = True, grid: str = "paper",
+                passes: int = 1) -> Profile:
     """Measure every candidate layout of `engine`'s pool (an `EngineSection`: its tp x instances devices,
-    page budget and shapes) and the switches between them."""
+    page budget and shapes) and the switches between them. `grid`: "paper" (`batches` geometric batch sizes
+    x `contexts`) or "shapes" (the XLA decode path's own padded shapes: `shape_grid`); `passes`: times the
+    grid is measured (each point's median)."""
     import jax
     from tqdm import tqdm
 
     from .planner import candidate_tps
 
+    if grid not in ("paper", "shapes"):
+        raise ValueError(f"grid must be 'paper' or 'shapes', got {grid!r}")
     devices = engine.num_devices
     tps = sorted(candidates) if candidates else candidate_tps(devices, model_cfg)
     total_batch = engine.max_batch * engine.instances
     rng = np.random.default_rng(seed)
     max_batch = {tp: max(1, total_batch // (devices // tp)) for tp in tps}
-    grid = {tp: batch_grid(max_batch[tp], batches) for tp in tps}
     ctx = sorted(contexts) if contexts else context_grid(engine.max_seq_len - decode_steps - 2)
     layouts = {}
-    with tqdm(total=sum(len(g) * len(ctx) for g in grid.values()), desc="profile", unit="pt", file=sys.stderr,
-              disable=not progress) as bar:
+    with tqdm(total=0, desc="profile", unit="pt", file=sys.stderr, disable=not progress) as bar:
         for tp in tps:
             svc = dataclasses.replace(engine, tp=tp, instances=devices // tp, max_batch=max_batch[tp],
                                       ).build(model_cfg, weights, devices=jax.devices()[:devices])
-            layouts[tp] = measure_layout(svc, tp, grid[tp], ctx, decode_steps, model_cfg.vocab_size, rng, bar)
+            bs, cs = batch_grid(max_batch[tp], batches), ctx
+            if grid == "shapes" and svc.instance_kw["attention_impl"] == "xla":
+                bs, cs = shape_grid(svc.instances[0].shapes, decode_steps)
+            bar.total += len(bs) * len(cs) * passes
+            bar.refresh()
+            layouts[tp] = measure_layout(svc, tp, bs, cs, decode_steps, model_cfg.vocab_size, rng, bar,
+                                         passes=passes)
             del svc
     itemsize = np.dtype(jax.tree.leaves(weights)[0].dtype).itemsize
     kv_tok = 2 * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
@@ -258,7 +297,7 @@ def run_profile(model_cfg, weights, engine, *, candidates=None, batches: int = 1
     key = profile_key(model_cfg, jax.devices()[0].device_kind, str(jax.tree.leaves(weights)[0].dtype), devices,
                       {"page_size": engine.page_size, "max_batch": engine.max_batch, "instances": engine.instances,
                        "max_seq_len": engine.max_seq_len, "kv_bytes_per_device": engine.kv_bytes_per_device,
-                       "num_pages": engine.num_pages}, decode_steps)
+                       "num_pages": engine.num_pages}, decode_steps, {"grid": grid, "passes": passes})
     prof = Profile(key, layouts, bandwidth, reshard, model_cfg.num_layers, kv_tok)
     prof.control_seconds = control_overhead(prof, tps, devices)
     return prof
@@ -313,7 +352,7 @@ def main(argv=None) -> int:
     engine_key = {"page_size": e.page_size, "max_batch": e.max_batch, "instances": e.instances,
                   "max_seq_len": e.max_seq_len, "kv_bytes_per_device": e.kv_bytes_per_device, "num_pages": e.num_pages}
     key = profile_key(model_cfg, jax.devices()[0].device_kind, cfg.model.dtype, e.num_devices, engine_key,
-                      cfg.decode_steps)
+                      cfg.decode_steps, {"grid": cfg.grid, "passes": cfg.passes})
     cached = cache_path(cfg.cache_dir, key)
     out = Path(cfg.out).absolute()
     if cached.exists() and not cfg.force:
@@ -325,7 +364,8 @@ def main(argv=None) -> int:
         else:
             weights = init(jax.random.key(0), model_cfg, cfg.model.jnp_dtype())
         prof = run_profile(model_cfg, weights, e, candidates=cfg.candidates, batches=cfg.batches,
-                           contexts=cfg.contexts, decode_steps=cfg.decode_steps, seed=cfg.seed)
+                           contexts=cfg.contexts, decode_steps=cfg.decode_steps, seed=cfg.seed, grid=cfg.grid,
+                           passes=cfg.passes)
         prof.key = key
         cached.parent.mkdir(parents=True, exist_ok=True)
         prof.save(cached)
