@@ -20,8 +20,14 @@ schedule: rollout seconds per trained prompt, engine (decode) steps, decoded and
 = sync seconds per trained prompt / tail batching's. The engine is warmed (every step shape compiled)
 before anything is timed.
 
-On the CPU the saving is fewer sequential decode steps at similar per-step cost; on a GPU the per-step
-cost of a small batch falls further, which this machine cannot show.
+The saving is fewer sequential decode steps; whether they become saved seconds depends on how a step's
+cost grows with its rows. `roofline` prices each schedule's recorded steps (every engine step's decode rows
+and their contexts, `StepTrace`) with the simulator's `AnalyticCost.decode_s` — max(weight + KV bytes over
+bandwidth, FLOPs over peak) — on two machines: this CPU at its measured float32 peak and read bandwidth
+(`scripts/results/bench_peak.json`, every efficiency 1: no implementation of the step beats it), and the
+simulator's H100 preset. On a machine whose step is bound by reading the weights up to large batches (a GPU)
+the step ratio is what wall time follows; on one whose step turns compute-bound at ~10 rows (this CPU) the
+extra decoded tokens of speculation cost as much as the saved steps.
 """
 
 from __future__ import annotations
@@ -44,6 +50,58 @@ import numpy as np  # noqa: E402
 def zero_reward(response: str, answer: str, task: str) -> float:
     """The bench measures rollout time only; rewards are scored (and streamed) but constant."""
     return 0.0
+
+
+class StepTrace:
+    """Per engine step, the context length of every row the step decodes (the running sequences that have
+    their first token, read as the step starts): what the roofline projection below prices. Reading it costs
+    a list of lengths per step (microseconds), the same per step for both schedules."""
+
+    def __init__(self, svc):
+        self.rows: list[list[int]] = []
+        inner = svc.step
+
+        def step():
+            self.rows.append([len(s) for inst in svc.instances for s in inst.sched.running if s.out])
+            return inner()
+
+        svc.step = step
+
+    def take(self) -> list[list[int]]:
+        out, self.rows = self.rows, []
+        return out
+
+
+def roofline_hardware(peak_json: Path):
+    """Two machines for the projection, priced by the simulator's own `AnalyticCost.decode_s` (max of weight
+    + KV bytes over bandwidth and FLOPs over peak, per step): this CPU at its measured float32 peak and read
+    bandwidth with every efficiency 1 (no implementation of the step can beat it), and the simulator's H100
+    preset (bf16, its fitted efficiencies)."""
+    from jaxrl.sim.hardware import GPU, gpu
+
+    peak = json.loads(peak_json.read_text())
+    cpu = GPU("this-cpu-roofline", peak_flops=float(peak["peak_gflops"]["float32"]) * 1e9, memory_bytes=24e9,
+              hbm_bw=float(peak["bandwidth_read_gbs"]) * 1e9, link_bw=1e12, net_bw=1e12, hbm_efficiency=1.0,
+              decode_flops_efficiency=1.0)
+    return {"cpu": (cpu, 4), "h100": (gpu("h100"), 2)}
+
+
+def roofline(cfg_m, traces: dict[str, list[list[int]]], peak_json: Path) -> dict:
+    """Decode seconds of each schedule's recorded steps if every step ran at a machine's roofline, and the
+    speedup they imply: whether the saved decode steps can become saved seconds on that machine at all."""
+    from jaxrl.sim.cost import AnalyticCost
+
+    out = {"peak_json": str(peak_json.relative_to(ROOT)) if peak_json.is_relative_to(ROOT) else str(peak_json)}
+    for name, (hw, nbytes) in roofline_hardware(peak_json).items():
+        cost = AnalyticCost(cfg_m, hw, dtype_bytes=nbytes)
+        secs = {k: float(sum(cost.decode_s(1, np.asarray(r, np.float64)) for r in rows if r))
+                for k, rows in traces.items()}
+        out[name] = {"peak_flops": hw.peak_flops * hw.decode_flops_efficiency,
+                     "bandwidth": hw.hbm_bw * hw.hbm_efficiency, "dtype_bytes": nbytes,
+                     "weights_read_bytes": cost.read_bytes,
+                     **{f"{k}_decode_s": v for k, v in secs.items()},
+                     "speedup": secs["sync"] / secs["tail_batching"]}
+    return out
 
 
 class _Tok:
@@ -105,17 +163,22 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     compiled = svc.warm([sample])
     warm_s = time.perf_counter() - t0
+    trace = StepTrace(svc)
+    traces = {"tail_batching": [], "sync": []}
 
     def params_fn(row, params):
         return dataclasses.replace(params, max_new_tokens=row["length"])
 
-    def one(kind_rows, race, responses, step):
+    def one(kind_rows, race, responses, step, schedule):
         prompts = [r["prompt_ids"] for r in kind_rows]
         t = time.perf_counter()
         comps, _, st = rl.rollout_and_score(svc, pool, _Tok(), cfg, prompts, kind_rows, step, (), race=race,
                                             responses=responses, params_fn=params_fn)
         sec = time.perf_counter() - t
-        return {"seconds": sec, "engine_steps": st["engine_steps"], "trained": len(st["accepted"]),
+        rows = trace.take()
+        traces[schedule] += rows
+        return {"seconds": sec, "engine_steps": st["engine_steps"], "decode_rows": sum(len(r) for r in rows),
+                "trained": len(st["accepted"]),
                 "decoded_tokens": sum(len(c.tokens) for c in comps) + st["wasted_tokens"],
                 "wasted_tokens": st["wasted_tokens"], "max_len": max(len(c.tokens) for c in comps)}, st["accepted"]
 
@@ -124,7 +187,7 @@ def run(args) -> dict:
         for step in range(args.periods * 5):
             plan = tb.plan(lambda: next(tail_loader), dataset, step)
             race = Race(plan.keys, plan.responses, plan.keep, plan.accept) if plan.kind == "short" else None
-            got, accepted = one(plan.rows, race, plan.responses, step)
+            got, accepted = one(plan.rows, race, plan.responses, step, "tail_batching")
             row = {"step": step, "kind": plan.kind, **got}
             tb.settle(plan, accepted, step)
             row["queue"] = len(tb.queue)
@@ -132,7 +195,7 @@ def run(args) -> dict:
             print(f"[tail] step {step} {plan.kind:5s} {row['seconds']:.2f} s, {row['engine_steps']} engine steps, "
                   f"max len {row['max_len']}, queue {row['queue']}", flush=True)
             rows = next(sync_loader)
-            srow = {"step": step, "kind": "sync", **one(rows, None, R0, step)[0]}
+            srow = {"step": step, "kind": "sync", **one(rows, None, R0, step, "sync")[0]}
             steps.append({"schedule": "sync", **srow})
             print(f"[sync] step {step} {srow['seconds']:.2f} s, {srow['engine_steps']} engine steps, "
                   f"max len {srow['max_len']}", flush=True)
@@ -152,6 +215,13 @@ def run(args) -> dict:
                      "wasted_tokens": sum(s["wasted_tokens"] for s in rows)}
     out["speedup"] = out["sync"]["seconds_per_trained_prompt"] / out["tail_batching"]["seconds_per_trained_prompt"]
     out["engine_step_ratio"] = out["sync"]["engine_steps"] / out["tail_batching"]["engine_steps"]
+    for name in ("tail_batching", "sync"):
+        n = out[name]
+        n["traced_steps"] = len(traces[name])
+        n["decode_steps"] = sum(1 for r in traces[name] if r)
+        n["decode_rows_per_step"] = sum(len(r) for r in traces[name]) / max(1, n["decode_steps"])
+        n["seconds_per_engine_step"] = n["seconds"] / max(1, n["engine_steps"])
+    out["roofline"] = roofline(cfg_m, traces, Path(args.peak_json))
     return out
 
 
@@ -189,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--sigma", type=float, default=1.3, help="log-normal sigma of the response lengths")
     ap.add_argument("--max-len", type=int, default=None, help="longest response")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peak-json", default=str(ROOT / "scripts" / "results" / "bench_peak.json"),
+                    help="this machine's measured peak and bandwidth (scripts/bench_peak.py) for the roofline")
     args = ap.parse_args(argv)
     q = args.quick
     args.periods = args.periods or (1 if q else 2)
@@ -201,7 +273,9 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     plot(out, path.with_suffix(".png"))
-    print(f"speedup {out['speedup']:.2f}x (engine steps {out['engine_step_ratio']:.2f}x fewer); wrote {path}")
+    rl = out["roofline"]
+    print(f"speedup {out['speedup']:.2f}x (engine steps {out['engine_step_ratio']:.2f}x fewer; at the roofline: "
+          f"{rl['cpu']['speedup']:.2f}x on this CPU, {rl['h100']['speedup']:.2f}x on an H100); wrote {path}")
     return out
 
 

@@ -27,3 +27,14 @@ def test_quick_run(tmp_path):
     assert kinds == ["short"] * 4 + ["long"]
     assert sync["wasted_tokens"] == 0 and tail["wasted_tokens"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+    # the roofline projection prices every engine step of both schedules: at least the weights' read per
+    # decode step, at most that plus the FLOPs of its rows at peak, and a speed-up from those sums
+    roof = got["roofline"]
+    for name, n in (("sync", sync), ("tail_batching", tail)):
+        assert n["traced_steps"] == n["engine_steps"] and 0 < n["decode_steps"] <= n["engine_steps"]
+        for hw in ("cpu", "h100"):
+            r = roof[hw]
+            floor = n["decode_steps"] * r["weights_read_bytes"] / r["bandwidth"]
+            assert r[f"{name}_decode_s"] >= floor * (1 - 1e-9)
+    for hw in ("cpu", "h100"):
+        assert abs(roof[hw]["speedup"] - roof[hw]["sync_decode_s"] / roof[hw]["tail_batching_decode_s"]) < 1e-9
