@@ -7,6 +7,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# start the backend now, so the count is fixed for the session: a CLI `main()` run in-process asks for its own
+# count (`runtime.request_cpu_devices`), which JAX accepts until the backend starts. Had such a test been the
+# first to touch a device, the rest of the session would see its count (found: `python -m jaxrl.rollout.profile`
+# asked for 4, and tests/test_sim.py then counted reshard bytes over 4 devices).
+assert jax.device_count() == 8, jax.devices()
 
 import gc  # noqa: E402
 
