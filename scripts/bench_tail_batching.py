@@ -268,6 +268,10 @@ def main(argv=None):
     args.group = args.group or (2 if q else 4)
     args.median = args.median or (5 if q else 20)
     args.max_len = args.max_len or (64 if q else 320)
+    try:                                            # the roofline's inputs, checked before minutes of rollout
+        roofline_hardware(Path(args.peak_json))
+    except (OSError, KeyError, ValueError) as e:
+        ap.error(f"--peak-json {args.peak_json}: {e!r} (run scripts/bench_peak.py to measure this machine)")
     out = run(args)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
