@@ -10,16 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.config.train import AlgoSection, OptimSection, TrainConfig
 from jaxrl.train import blockwise
 from jaxrl.train.batch import Sample, pack
 from jaxrl.train.blockwise import BlockwiseUpdater, plan_blocks
 from jaxrl.train.history_attention import stored_history
-from jaxrl.train.optim import make_optimizer
+from jaxrl.train.optim import init_state, make_optimizer
 from jaxrl.train.rl import batch_weights
 from jaxrl.train.step import STATS, LossSpec, make_grad_step, token_logp
-from models import PRESETS, abstract, init
+from models import PRESETS, abstract, init, logical_axes
+from sharding import Layout, ShardingRules, shardings_for
 
 REL_F32 = 1e-5            # max |blockwise - full| / max |full| per tensor (float32)
 SPEC = LossSpec(clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
@@ -246,3 +248,30 @@ def test_block_step_temporaries_do_not_copy_the_cache():
 
     (t1, c1), (t2, c2) = temp_and_cache(2048), temp_and_cache(4096)
     assert t2 - t1 < c2 - c1, (t2 - t1) / (c2 - c1)
+
+
+@pytest.mark.parametrize("layout", [Layout(fsdp=4), Layout(fsdp=2, tp=2)], ids=lambda l: l.name)
+def test_sharded_train_layout_equals_one_device(cases, layout):
+    """On a sharded train mesh (weights by the train rules, rows over the data axes) the blockwise gradients
+    equal the single-device full step's, every buffer lives on the mesh (∇C's rows on the data axes, the
+    gradient sums in the weights' own shardings), and warm() compiles every executable update() runs."""
+    cfg, params, batch, full = cases["qwen3"]
+    mesh = layout.make_mesh(jax.devices()[:layout.size])
+    shardings = shardings_for(logical_axes(cfg), mesh, ShardingRules.train(cfg, layout))
+    sp = jax.device_put(params, shardings)
+    rows = NamedSharding(mesh, P(("dp", "fsdp"), None))
+    sb = {k: jax.device_put(v, rows) for k, v in batch.items()}
+    tx = _tx()
+    opt = lambda: init_state(tx, sp, shardings, mesh)          # noqa: E731  (the trainer's optimizer state)
+    up = BlockwiseUpdater(cfg, SPEC, tx, block_size=5)          # 24 -> 25: the rows are padded too
+    up.warm(sp, opt(), sb)
+    before = up.cache.compiles
+    got = up.gradients(sp, [sb])
+    assert up.cache.compiles == before
+    assert_grads_close(got, full)
+    for g, p in zip(jax.tree.leaves(got[0]), jax.tree.leaves(sp)):
+        assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
+    hk, _ = up.cache("kv", up.kv_fn, sp, up._prepare(sb), sharding=blockwise.history_sharding(rows))
+    assert hk.sharding.is_equivalent_to(NamedSharding(mesh, P(None, ("dp", "fsdp"))), hk.ndim)
+    _, _, m = up.update(jax.tree.map(jnp.copy, sp), opt(), [sb])
+    assert up.cache.compiles == before and int(m["skipped"]) == 0

@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernels import attention
 from models import ModelConfig, decoder_stack
@@ -120,14 +121,38 @@ def blocks_with_loss(loss_mask, block: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------- device steps
 
+def _constrain(x, sharding):
+    return x if sharding is None else lax.with_sharding_constraint(x, sharding)
+
+
+def history_sharding(rows_sharding):
+    """Where the cache C and the accumulator ∇C [L, R, P, K, D] live: their rows on the micro-batch's row
+    axes (the train mesh's data axes), the rest replicated, as `rollout_kv.KVStager` gathers them. None
+    (left to XLA) for a micro-batch that is not on a mesh (one device)."""
+    if not isinstance(rows_sharding, NamedSharding):
+        return None
+    rows = rows_sharding.spec[0] if len(rows_sharding.spec) else None
+    return NamedSharding(rows_sharding.mesh, P(None, rows))
+
+
+def acc_shardings(params) -> dict:
+    """`_zero_acc`'s static arguments: the parameters' leaf shardings and the stats sums' (replicated over
+    their mesh); None for parameters that are not on a mesh."""
+    leaves = tuple(x.sharding for x in jax.tree.leaves(params))
+    if not isinstance(leaves[0], NamedSharding):
+        return {"shardings": None, "scalar": None}
+    return {"shardings": leaves, "scalar": NamedSharding(leaves[0].mesh, P())}
+
+
 def _pad_rows(mb, *, length: int):
     """Every [R, P] field padded with zeros to [R, length] (segment 0 and loss mask 0: inert padding)."""
     return {k: jnp.pad(v, ((0, 0), (0, length - v.shape[1]))) for k, v in mb.items()}
 
 
-def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec, stored: bool = False):
+def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec, stored: bool = False, sharding=None):
     """K, V [L, R, P, K, D] of every layer for the micro-batch's rows (a forward pass that keeps only them);
-    `stored`: in the form the block step takes them (`history_attention.stored_history`)."""
+    `stored`: in the form the block step takes them (`history_attention.stored_history`); `sharding`: where
+    they are put (`history_sharding`; None: where XLA propagates them)."""
     seg = mb["segment_ids"]
 
     def attend(l, q, k, v, carry, xs_l):
@@ -136,23 +161,36 @@ def recompute_kv(params, mb, *, cfg: ModelConfig, spec: LossSpec, stored: bool =
         return o, carry, (k, v)
 
     _, _, (k, v) = decoder_stack(params, cfg, params.embed[mb["tokens"]], mb["positions"], attend)
-    return stored_history((k, v)) if stored else (k, v)
+    kv = stored_history((k, v)) if stored else (k, v)
+    return tuple(_constrain(x, sharding) for x in kv)
 
 
-def _zeros_like_kv(hist_k):
-    z = jnp.zeros(hist_k.shape, jnp.float32)
+def _store(kv, *, sharding=None):
+    return tuple(_constrain(x, sharding) for x in stored_history(kv))
+
+
+def _zeros_like_kv(hist_k, *, sharding=None):
+    """∇C = 0 in float32, in the cache's sharding (a constant has no input to take one from: left to XLA it
+    lands on one device, which a sharded train mesh then refuses)."""
+    z = _constrain(jnp.zeros(hist_k.shape, jnp.float32), sharding)
     return z, z
 
 
-def _zero_acc(params):
-    return jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros((), jnp.float32) for k in STATS}
+def _zero_acc(params, *, shardings=None, scalar=None):
+    """Zero gradient sums in the parameters' own shardings (`shardings`: their leaves'), zero stats sums."""
+    leaves = jax.tree.leaves(params)
+    zeros = [_constrain(jnp.zeros(p.shape, p.dtype), s) for p, s in zip(leaves, shardings or [None] * len(leaves))]
+    stats = {k: _constrain(jnp.zeros((), jnp.float32), scalar) for k in STATS}
+    return jax.tree.unflatten(jax.tree.structure(params), zeros), stats
 
 
 def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: ModelConfig, spec: LossSpec,
-               block: int):
+               block: int, sharding=None):
     """One block (rows' tokens [start, start + block)): its loss's vjp, with the history gradient added into
     ∇C = (grad_k, grad_v) in place and ∇C[block] as the cotangent of the block's own K/V
-    (`history_attention`); returns (∇C_k, ∇C_v, (grad_sums, stats_sums)) with this block's contributions added."""
+    (`history_attention`); returns (∇C_k, ∇C_v, (grad_sums, stats_sums)) with this block's contributions added.
+    `sharding`: ∇C's (`history_sharding`), kept on the way out so that the donated buffers are reused and
+    the step's outputs feed it again unchanged."""
     cut = lambda x: lax.dynamic_slice_in_dim(x, start, block, axis=1)     # noqa: E731
     blk = {k: cut(v) for k, v in mb.items()}
     a = Attn(spec.attention_impl, cfg.sliding_window, PAIR_BLOCK)
@@ -175,7 +213,7 @@ def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: M
     g_params, grad_k, grad_v = vjp((jnp.ones_like(loss), g, (own_k.astype(kb.dtype), own_v.astype(vb.dtype))))
     grads, stats = acc
     acc = (jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads, g_params), jax.tree.map(jnp.add, stats, sums))
-    return grad_k, grad_v, acc
+    return _constrain(grad_k, sharding), _constrain(grad_v, sharding), acc
 
 
 # ---------------------------------------------------------------------------------------- the updater
@@ -195,12 +233,15 @@ class BlockwiseUpdater(Updater):
         if kv_source not in KV_SOURCES:
             raise ValueError(f"kv_source={kv_source!r}; valid choices: {', '.join(KV_SOURCES)}")
         self.cfg, self.block, self.kv_source = cfg, block_size, kv_source
-        self.kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec, stored=True))
-        self.store = jax.jit(stored_history)
+        # every buffer is placed explicitly (`history_sharding`, `acc_shardings`): on a sharded train mesh
+        # a constant left to XLA lands on one device
+        self.kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec, stored=True),
+                             static_argnames=("sharding",))
+        self.store = jax.jit(_store, static_argnames=("sharding",))
         self.step_fn = jax.jit(functools.partial(block_step, cfg=cfg, spec=spec, block=block_size),
-                               donate_argnums=(4, 5, 6))
-        self.zero_kv = jax.jit(_zeros_like_kv)
-        self.zero_acc = jax.jit(_zero_acc)
+                               donate_argnums=(4, 5, 6), static_argnames=("sharding",))
+        self.zero_kv = jax.jit(_zeros_like_kv, static_argnames=("sharding",))
+        self.zero_acc = jax.jit(_zero_acc, static_argnames=("shardings", "scalar"))
         self.pad = jax.jit(_pad_rows, static_argnames=("length",))
         self.last = {"blocks": 0, "skipped": 0}
 
@@ -219,7 +260,7 @@ class BlockwiseUpdater(Updater):
         """(grad_sums, stats_sums) over the micro-batches: `grad_step`'s contract, computed blockwise."""
         if kv is None and self.kv_source == "rollout":
             raise ValueError("kv_source='rollout' needs the rollout's K/V for every micro-batch")
-        acc = self.cache("zero_acc", self.zero_acc, params)
+        acc = self.cache("zero_acc", self.zero_acc, params, **acc_shardings(params))
         blocks = skipped = 0
         for j, raw in enumerate(mbs):
             plan = plan_blocks(blocks_with_loss(raw["loss_mask"], self.block), self.block, self.cfg.sliding_window,
@@ -229,11 +270,13 @@ class BlockwiseUpdater(Updater):
             if not plan:
                 continue
             mb = self._prepare(raw)
-            hk, hv = self.cache("kv", self.kv_fn, params, mb) if kv is None else self.cache("store", self.store, kv[j])
-            gk, gv = self.cache("zero_kv", self.zero_kv, hk)
+            at = history_sharding(raw["tokens"].sharding)
+            hk, hv = (self.cache("kv", self.kv_fn, params, mb, sharding=at) if kv is None
+                      else self.cache("store", self.store, kv[j], sharding=at))
+            gk, gv = self.cache("zero_kv", self.zero_kv, hk, sharding=at)
             for i in plan:
                 gk, gv, acc = self.cache("block", self.step_fn, params, mb, hk, hv, gk, gv, acc,
-                                         np.int32(i * self.block))
+                                         np.int32(i * self.block), sharding=at)
         self.last = {"blocks": blocks, "skipped": skipped}
         return acc
 
@@ -246,18 +289,20 @@ class BlockwiseUpdater(Updater):
         logp_mb = {k: mb[k] for k in FIELDS}
         for extra in logp_params:
             self.cache.compile("logp", self.logp, _abstract(extra), logp_mb)
+        at = history_sharding(mb["tokens"].sharding)
         P = self.padded_len(mb["tokens"].shape[1])
         if P != mb["tokens"].shape[1]:
             mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
         for _ in range(3):
             self.cache.compile("logp", self.logp, p, logp_mb)
-            acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p))
-            hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv))) if kv is not None
-                      else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb)))
-            gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk))
+            acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p, **acc_shardings(p)))
+            hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv), sharding=at))
+                      if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
+            gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))
             start = np.int32(0)
             for _ in range(3):      # the step's outputs feed it again: follow them until they repeat
-                out = _out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start))
+                out = _out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start,
+                                                       sharding=at))
                 if self.cache.key("x", out) == self.cache.key("x", (gk, gv, acc)):
                     break
                 gk, gv, acc = out
