@@ -180,7 +180,8 @@ def run(args) -> dict:
         return {"seconds": sec, "engine_steps": st["engine_steps"], "decode_rows": sum(len(r) for r in rows),
                 "trained": len(st["accepted"]),
                 "decoded_tokens": sum(len(c.tokens) for c in comps) + st["wasted_tokens"],
-                "wasted_tokens": st["wasted_tokens"], "max_len": max(len(c.tokens) for c in comps)}, st["accepted"]
+                "wasted_tokens": st["wasted_tokens"], "max_len": max(len(c.tokens) for c in comps),
+                "lengths": [r["length"] for r in kind_rows], "responses": responses}, st["accepted"]
 
     steps = []
     with RewardPool(num_workers=0) as pool:

@@ -1,9 +1,12 @@
-"""Smoke test of scripts/bench_rollout.py: `--quick` run, JSON schema only (no timing asserts)."""
+"""Smoke test of scripts/bench_rollout.py: `--quick` run, the JSON schema and the relations between its fields
+(no timing asserts)."""
 
 import importlib.util
 import json
 import math
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rollout.py"
 
@@ -26,16 +29,26 @@ def test_decode_flops_counts_weights_and_attention():
 
 
 def test_quick_run_writes_schema(tmp_path):
+    """The JSON's rows: throughputs, ratio and GFLOP/s recomputed from their own seconds and the settings."""
     out = tmp_path / "bench.json"
-    _load().main(["--out", str(out), "--quick", "--gpu-8b"])
+    mod = _load()
+    mod.main(["--out", str(out), "--quick", "--gpu-8b"])
     result = json.loads(out.read_text())
     assert (tmp_path / "bench.md").read_text().startswith("| batch |")
     assert [r["batch"] for r in result["rows"]] == [1, 4]
+    st = result["settings"]
     for r in result["rows"]:
-        for key in ("ours_tok_s", "hf_tok_s", "ratio", "ours_compile_s"):
-            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (key, r)
+        for key in ("ours_tok_s", "hf_tok_s", "ratio", "ours_s", "hf_s"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert isinstance(r["ours_compile_s"], float) and math.isfinite(r["ours_compile_s"])
+        tokens = r["batch"] * st["new_tokens"]
+        assert r["ours_tok_s"] == pytest.approx(tokens / r["ours_s"], rel=1e-12)
+        assert r["hf_tok_s"] == pytest.approx(tokens / r["hf_s"], rel=1e-12)
+        assert r["ratio"] == pytest.approx(r["hf_s"] / r["ours_s"], rel=1e-12)
+        assert r["ratio"] == pytest.approx(r["ours_tok_s"] / r["hf_tok_s"], rel=1e-9)
         assert r["greedy_token_agreement"] == 1.0   # same weights, same greedy function
-        assert math.isfinite(r["ours_gflops"]) and r["ours_gflops"] > 0
+        flops = mod.decode_flops(mod.bench_config(True), r["batch"], st["prompt_len"], st["new_tokens"])
+        assert r["ours_gflops"] == pytest.approx(flops / r["ours_s"] / 1e9, rel=1e-12)
         assert r["peak_fraction"] is None or r["peak_fraction"] > 0
     env = result["environment"]
     assert {"jax", "torch", "cpu_cores"} <= set(env)

@@ -1,11 +1,16 @@
 """scripts/bench_tail_batching.py (smoke, `--quick`: tiny model, one period): the JSON the issue asks for
 (a top-level `speedup`, both schedules' rollout seconds per trained prompt over the same prompts), one long
-round per period of four short ones, a long-tailed task (p99/median >= 10) and a PNG. No timing asserts."""
+round per period of four short ones, a long-tailed task (p99/median >= 10) and a PNG; the ratios and totals
+recomputed from the JSON's own fields, and each step's decoded tokens from its prompts' lengths and decode rows.
+No timing asserts."""
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_tail_batching.py"
 
@@ -18,13 +23,33 @@ def test_quick_run(tmp_path):
     out = tmp_path / "t.json"
     mod.main(["--quick", "--out", str(out)])
     got = json.loads(out.read_text())
-    assert got["speedup"] > 0 and got["engine_step_ratio"] > 0
     assert got["length_p99_over_median"] >= 10
+    assert got["length_p99_over_median"] == pytest.approx(got["length_p99"] / got["length_median"], rel=1e-12)
     tail, sync = got["tail_batching"], got["sync"]
-    assert tail["trained_prompts"] == sync["trained_prompts"] == 5 * got["prompts_per_step"]   # the same prompts
-    assert abs(got["speedup"] - sync["seconds_per_trained_prompt"] / tail["seconds_per_trained_prompt"]) < 1e-9
+    P0, R0 = got["prompts_per_step"], got["group_size"]
+    assert tail["trained_prompts"] == sync["trained_prompts"] == 5 * P0   # the same prompts
+    assert got["speedup"] == pytest.approx(sync["seconds_per_trained_prompt"] / tail["seconds_per_trained_prompt"],
+                                           rel=1e-12)
+    assert got["engine_step_ratio"] == pytest.approx(sync["engine_steps"] / tail["engine_steps"], rel=1e-12)
     kinds = [s["kind"] for s in got["steps"] if s["schedule"] == "tail_batching"]
     assert kinds == ["short"] * 4 + ["long"]
+    launch = {"short": (math.ceil(1.25 * P0), math.ceil(1.25 * R0)), "long": (P0, R0), "sync": (P0, R0)}
+    for s in got["steps"]:
+        assert (len(s["lengths"]), s["responses"]) == launch[s["kind"]] and s["trained"] == P0, s
+        # every launched sequence takes its first token from its prefill and each later one from one decode row
+        assert s["decoded_tokens"] == s["decode_rows"] + len(s["lengths"]) * s["responses"], s
+        assert s["engine_steps"] >= s["max_len"]                       # one token per sequence per engine step
+        if s["kind"] != "short":       # no race: every response runs to its prompt's length (no stop token)
+            assert s["decoded_tokens"] == s["responses"] * sum(s["lengths"]) and s["wasted_tokens"] == 0, s
+            assert s["max_len"] == max(s["lengths"]), s
+    for name, n in (("sync", sync), ("tail_batching", tail)):
+        rows = [s for s in got["steps"] if s["schedule"] == name]
+        for key, total in (("seconds", "seconds"), ("trained", "trained_prompts"), ("engine_steps", "engine_steps"),
+                           ("decoded_tokens", "decoded_tokens"), ("wasted_tokens", "wasted_tokens")):
+            assert n[total] == pytest.approx(sum(s[key] for s in rows), rel=1e-12), (name, key)
+        assert n["seconds_per_trained_prompt"] == pytest.approx(n["seconds"] / n["trained_prompts"], rel=1e-12)
+        assert n["decode_rows_per_step"] == pytest.approx(sum(s["decode_rows"] for s in rows) / n["decode_steps"],
+                                                          rel=1e-12)
     assert sync["wasted_tokens"] == 0 and tail["wasted_tokens"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
     # the roofline projection prices every engine step of both schedules: at least the weights' read per

@@ -1,7 +1,6 @@
 """Typed configs: YAML round trip, dotted overrides, errors that name the key, every configs/*.yaml loads."""
 
 import dataclasses
-import importlib
 import json
 import re
 import shlex
@@ -11,7 +10,9 @@ import yaml
 
 from jaxrl.config import (CONFIG_CLASSES, CONFIGS_DIR, DTYPES, ConfigError, DemoConfig, LayoutSection, MeshSection,
                           ModelSection, Section, from_yaml, from_yaml_file, load_config, parse_cli, to_yaml)
+from models import config_from_hf
 from models.config import PRESETS, ModelConfig
+from sharding import Layout
 
 DEMO_YAML = CONFIGS_DIR / "demo.yaml"
 
@@ -255,9 +256,6 @@ def test_model_section_builds():
 
 
 def test_hf_path_wins_over_preset(tmp_path):
-    models = importlib.import_module("models")
-    if "config_from_hf" not in vars(models):
-        pytest.skip("models.config_from_hf not written yet")
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 256, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -265,16 +263,15 @@ def test_hf_path_wins_over_preset(tmp_path):
         "tie_word_embeddings": True}))
     section = ModelSection(preset="tiny-qwen3", hf_path=str(tmp_path))
     cfg = section.model_config()
-    assert isinstance(cfg, ModelConfig) and cfg == models.config_from_hf(str(tmp_path))
-    assert cfg.hidden_size == 32 and cfg.vocab_size == 256
+    assert isinstance(cfg, ModelConfig) and cfg == config_from_hf(str(tmp_path)) != PRESETS["tiny-qwen3"]
+    assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.tie_embeddings) == \
+        ("qwen3", 256, 32, 64, 1, 4, 2, 8, 10000.0, 128, True)
 
 
 def test_layout_section_builds():
-    sharding = importlib.import_module("sharding")
-    if "Layout" not in vars(sharding):
-        pytest.skip("sharding.Layout not written yet")
     layout = LayoutSection(dp=1, fsdp=4, tp=2).build()
-    assert isinstance(layout, sharding.Layout) and (layout.dp, layout.fsdp, layout.tp) == (1, 4, 2)
+    assert isinstance(layout, Layout) and (layout.dp, layout.fsdp, layout.tp) == (1, 4, 2)
 
 
 def test_train_config_choices_come_from_the_algos_registries():

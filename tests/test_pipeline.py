@@ -2,6 +2,7 @@
 inline stream), the one-step-async buffer and staleness, stage balancing and the dynamic scale-up."""
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -23,16 +24,28 @@ def test_split_devices_gives_disjoint_pools():
 
 
 def test_train_worker_runs_in_order_and_records_spans():
+    """Tasks run one at a time in submission order; each span covers its task (here a 10 ms sleep); the
+    worker's busy seconds and the timeline's spans, kept apart, add up to the same, within the wall time."""
+    nap = 0.01
     tl = Timeline()
     w = TrainWorker(tl)
     order = []
-    futs = [w.submit("grad", lambda k=k: order.append(k) or jax.numpy.ones(3) * k) for k in range(5)]
+    t0 = time.perf_counter()
+    futs = [w.submit("grad", lambda k=k: order.append(k) or time.sleep(nap) or jax.numpy.ones(3) * k)
+            for k in range(5)]
     w.barrier()
     assert order == list(range(5)) and all(f.done() for f in futs)
     inner = w.submit("update", lambda: w.barrier() or 7)      # a barrier inside a task does not deadlock
     assert inner.result(timeout=30) == 7
-    assert [s.kind for s in tl.spans] == ["grad"] * 5 + ["update"] and tl.busy("train") >= 0
-    assert w.take_busy() >= 0 and w.busy_s == 0
+    busy = w.take_busy()
+    wall = time.perf_counter() - t0
+    spans = tl.spans
+    assert [s.kind for s in spans] == ["grad"] * 5 + ["update"]
+    assert all(s.end - s.start >= nap for s in spans[:5])                      # each span holds its task
+    assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))              # one at a time, in order
+    assert t0 - tl.t0 <= spans[0].start and spans[-1].end <= t0 - tl.t0 + wall
+    assert busy == pytest.approx(tl.busy("train"), rel=1e-9) and 5 * nap <= busy <= wall
+    assert tl.busy("gen") == 0 and w.busy_s == 0 and w.take_busy() == 0         # read and reset
     w.close()
 
 

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl.data import tasks
 from jaxrl.rewards import REWARD_FNS, RewardPool, RewardResult, math_reward, resolve, reward_fn_for
 
 T = "jaxrl.rewards._testing:"
@@ -75,7 +76,6 @@ def test_registry():
 
 
 def test_builtin_fn_matches_task_scorer():
-    tasks = pytest.importorskip("jaxrl.data.tasks")
     fn = resolve(reward_fn_for("reverse"))
     assert fn("cba", "cba", "reverse") == 1.0
     for response in ["cb", "cbx", ""]:
@@ -85,17 +85,16 @@ def test_builtin_fn_matches_task_scorer():
 # ------------------------------------------------------------------------------------- pool
 def test_pool_scores_match_in_process(pool):
     items = [("math", "\\boxed{0.5}", "1/2", "math"), ("math", "The answer is 41", "42", "math"),
-             ("math", "\\boxed{x^2+2x+1}", "(x+1)^2", "math"), ("math", "garbage", "7", "math")]
-    try:
-        import jaxrl.data.tasks  # noqa: F401
-        items += [("builtin", "cba", "cba", "reverse"), ("builtin", "cbx", "cba", "reverse")]
-    except ImportError:
-        pass
+             ("math", "\\boxed{x^2+2x+1}", "(x+1)^2", "math"), ("math", "garbage", "7", "math"),
+             ("builtin", "cba", "cba", "reverse"), ("builtin", "cbx", "cba", "reverse")]
     expected = np.asarray([resolve(f)(r, a, t) for f, r, a, t in items], np.float32)
+    np.testing.assert_allclose(expected, [1, 0, 1, 0, 1, tasks.score("reverse", "cbx", "cba")], rtol=1e-6)
+    t0 = time.monotonic()
     scores, stats = pool.score(items)
+    wall = time.monotonic() - t0
     assert scores.dtype == np.float32 and scores.shape == (len(items),)
     np.testing.assert_allclose(scores, expected)
-    assert stats["timeouts"] == 0 and stats["crashes"] == 0 and stats["seconds"] >= 0
+    assert stats["timeouts"] == 0 and stats["crashes"] == 0 and 0 < stats["seconds"] <= wall   # this call's time
     assert pool.score([])[0].shape == (0,)
 
 

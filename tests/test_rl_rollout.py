@@ -1,6 +1,7 @@
 """Rollout with streamed reward scoring equals rollout-then-score, prompt-major, with the stats."""
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -34,7 +35,9 @@ def test_rollout_and_score_equals_scoring_afterwards(workers, fn, monkeypatch):
     prompts = [tok.encode(text) for text, _ in texts]
     svc = RolloutService(CFG, init(jax.random.key(0), CFG), page_size=8, num_pages=64, max_batch=8)
     with RewardPool(num_workers=workers, timeout_s=10.0) as pool:
+        t0 = time.perf_counter()
         comps, rewards, stats = rl.rollout_and_score(svc, pool, tok, cfg, prompts, rows, 0, tok.eos_ids)
+        wall = time.perf_counter() - t0
         items = [(rl.reward_fn_for(rows[k // 3]["task"]), tok.decode(c.tokens), rows[k // 3]["answer"],
                   rows[k // 3]["task"]) for k, c in enumerate(comps)]
         want, _ = pool.score(items)
@@ -43,4 +46,5 @@ def test_rollout_and_score_equals_scoring_afterwards(workers, fn, monkeypatch):
     np.testing.assert_array_equal(rewards, want)
     if fn:
         assert len(set(rewards.tolist())) > 1
-    assert stats["timeouts"] == 0 and stats["crashes"] == 0 and stats["seconds"] >= 0
+    assert stats["items"] == len(comps) and stats["timeouts"] == 0 and stats["crashes"] == 0
+    assert stats["seconds"] <= wall            # the wait for the last scores: part of the call

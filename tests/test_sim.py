@@ -79,18 +79,46 @@ def test_analytic_pages_match_the_engine_memory_budget():
         assert sim == pytest.approx(real, rel=0.02), tp
 
 
-def test_profile_cost_is_the_pat_predictor():
-    from jaxrl.rollout.adaptive_tp import Predictor
-    from tests.test_tp_switch import forcing_profile
+def test_profile_cost_interpolates_the_profiled_points():
+    """`ProfileCost` against its profile's points interpolated by hand, not against the `Predictor` it calls.
+    Decode, paper form (TP 1, no shapes): piecewise linear in T = Σ context over each profiled batch's points,
+    linear between the two nearest profiled batches, the batch clamped to the profiled range. Decode, engine
+    form (TP 2, with shapes): the profiled point of the padded shape (rows bucket, page-table width of the
+    longest row), whatever the other rows hold. Prefill: piecewise linear in the mean length, linear in B.
+    Reshard: the profiled seconds, the slowest one when not profiled. KV move: bytes / bandwidth."""
+    from jaxrl.rollout.adaptive_tp import LayoutProfile, Profile
 
-    prof = forcing_profile("large")
+    ms = 1e-3
+    dec1 = {(1, 16): 1.0, (1, 64): 2.0, (1, 256): 6.0, (4, 16): 3.0, (4, 64): 5.0, (4, 256): 13.0}   # ms
+    pre1 = {(1, 16): 0.5, (1, 64): 1.5, (4, 16): 1.0, (4, 64): 4.0}                                    # s
+    dec2 = {(1, 16): 7.0, (1, 48): 8.0, (4, 16): 9.0, (4, 48): 11.0}                                   # ms
+    shapes = {"batch": [1, 4], "pages": [1, 2, 4, 8], "page_size": 16}
+    prof = Profile({"device": "hand"}, {
+        1: LayoutProfile(1, [(b, n, s * ms) for (b, n), s in dec1.items()], [(b, n, s) for (b, n), s in pre1.items()]),
+        2: LayoutProfile(2, [(b, n, s * ms) for (b, n), s in dec2.items()], [(b, n, 1.0) for b, n in dec2],
+                         shapes=shapes),
+    }, 2e9, {"1->2": 0.25, "2->1": 0.5}, layers=2, kv_bytes_per_token_layer=256)
     cost = ProfileCost(prof, PRESETS["tiny-qwen3"])
-    pred = Predictor(prof)
-    ctx = np.asarray([40, 70, 9])
-    for tp in (1, 2, 8):
-        assert cost.decode_s(tp, ctx, rows=4, width=128) == float(pred.step_latency(tp, 3, ctx.sum(), ctx.max()))
-    assert cost.reshard_s(PRESETS["tiny-qwen3"], 2, 8) == pred.reshard_seconds(2, 8)
-    assert cost.kv_move_s(2e12) == pytest.approx(2.0)
+
+    def decode(tp, ctx):
+        return cost.decode_s(tp, np.asarray(ctx), rows=4, width=128) / ms
+
+    # B = 3, T = 119: on the B = 1 points (T = 16, 64, 256) 2 + 55/192 x 4 = 151/48; on the B = 4 points
+    # (T = 64, 256, 1024) 3 + 55/192 x 2 = 343/96; two thirds of the way from B = 1 to B = 4: 247/72 ms
+    t1 = np.interp(119, [16, 64, 256], [1.0, 2.0, 6.0])
+    t4 = np.interp(119, [64, 256, 1024], [3.0, 5.0, 13.0])
+    assert (t1, t4) == (pytest.approx(151 / 48), pytest.approx(343 / 96))
+    assert decode(1, [40, 70, 9]) == pytest.approx(t1 + (t4 - t1) * 2 / 3) == pytest.approx(247 / 72)
+    assert decode(1, [64]) == pytest.approx(2.0) and decode(1, [64] * 4) == pytest.approx(5.0)   # profiled points
+    assert decode(1, [32] * 8) == pytest.approx(5.0)                 # B = 8 > 4 profiled: the B = 4 curve, T = 256
+    # padded: 3 rows -> bucket 4; longest 40 -> (40 + 16) // 16 = 3 pages -> 4 (ladder) -> width 64, the width
+    # of the profiled context 48 (4 pages): that point, for any shorter other rows; longest 20 -> width 32 (16's)
+    assert decode(2, [40, 30, 9]) == decode(2, [40, 1, 1]) == pytest.approx(11.0)
+    assert decode(2, [20]) == pytest.approx(7.0) and decode(2, [20, 3]) == pytest.approx(9.0)
+    # prefill of lengths [16, 48]: B = 2, mean 32: 5/6 s on B = 1, 2 s on B = 4; a third of the way: 11/9 s
+    assert cost.prefill_s(1, np.zeros(2), np.asarray([16, 48])) == pytest.approx(11 / 9)
+    assert cost.reshard_s(PRESETS["tiny-qwen3"], 1, 2) == 0.25 and cost.reshard_s(PRESETS["tiny-qwen3"], 1, 8) == 0.5
+    assert cost.kv_move_s(1e9) == pytest.approx(0.5)
 
 
 def test_reshard_bytes_are_sharding_reuse_counts():

@@ -198,7 +198,15 @@ def test_many_rounds_on_the_engine(monkeypatch):
                 want = [full[p * 4 + j].tokens for p in want_accepted for j in want_kept[p]]
                 assert [c.tokens for c in comps] == want, step
                 np.testing.assert_allclose(rewards, [len(t) / 10.0 for t in want], rtol=1e-6)
-                assert st["wasted_tokens"] >= st["aborted_tokens"] >= 0
+                # every response either finished (at its full run's length) or was aborted live, short of it;
+                # wasted = the finished ones not kept, whole, + the aborted ones' partial tokens
+                done = race.final >= 0
+                assert (done != race.aborted).all() and st["aborted"] == race.aborted.sum()
+                assert all(race.final[p, j] == lengths[p][j] for p, j in zip(*np.nonzero(done)))
+                unkept = sum(lengths[p][j] for p, j in zip(*np.nonzero(done))
+                             if p not in want_accepted or j not in want_kept[p])
+                assert st["wasted_tokens"] == st["aborted_tokens"] + unkept, (st, unkept)
+                assert st["aborted_tokens"] <= sum(lengths[p][j] - 1 for p, j in zip(*np.nonzero(race.aborted)))
             else:
                 comps, rewards, st = rl.rollout_and_score(svc, pool, _Tok(), cfg, prompts, plan.rows, step, STOP)
                 assert st["accepted"] == [0, 1, 2, 3] and st["aborted"] == 0 and len(comps) == 12

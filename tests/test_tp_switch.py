@@ -48,7 +48,7 @@ def test_forced_switches_keep_tokens(weights, prompts, static, case):  # noqa: F
     assert svc.layout == [path[-1]] * (8 // path[-1])
     for d in switches:
         assert d.kv == kv and d.actual["switch_s"] > 0 and d.actual["moved"] > 0
-        assert d.actual["remaining_s"] >= 0                # closed when the generation ended
+        assert d.actual["remaining_s"] >= d.actual["switch_s"]   # closed when the generation ended: after the switch
     m = svc.adaptive.metrics()
     assert m["pat/switches"] == len(path) - 1 and m["pat/decisions"] >= len(path) - 1
     assert all("t0" not in r["actual"] for r in svc.adaptive.records())
