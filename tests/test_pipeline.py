@@ -162,6 +162,8 @@ def test_split_from_a_runs_stage_times(tmp_path):
     (["placement=disaggregated", "trainer.async_steps=1", "rollout.tail_batching.enabled=true"], "race"),
     (["placement=disaggregated", "trainer.async_steps=1", "distributed.num_processes=2"], "one process"),
     (["placement=disaggregated", "stage_balance.scale_up=true"], "spare devices"),
+    (["placement=disaggregated", "trainer.backward=blockwise", "trainer.kv_source=rollout"], "per streamed group"),
+    (["placement=disaggregated", "trainer.async_steps=1", "trainer.backward=blockwise"], "deadlocked"),
     (["stage_balance.scale_up=true", "stage_balance.max_instances=2"], "needs placement=disaggregated"),
 ])
 def test_placement_config_refusals(args, match):

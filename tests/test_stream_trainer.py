@@ -19,6 +19,7 @@ from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.runtime import CompileCounter
 from jaxrl.train import rl
 from jaxrl.train.batch import Sample
+from jaxrl.train.blockwise import BlockwiseUpdater
 from jaxrl.train.stream import (StreamTrainer, freed_instances, milestone_due, peak_pages, plan_shrink,
                                 projected_lengths)
 from jaxrl.train.update import Updater
@@ -144,6 +145,41 @@ def test_streamed_update_equals_synchronous(mesh, model, agg):
     _assert_same_update(new, p_sync, params)
 
 
+def test_streamed_blockwise_update_equals_synchronous_full(mesh, model):
+    """MetroRLHF's blockwise backward as the stream trainer's gradient (`BlockwiseUpdater.accumulate`, the
+    gradient-only entry point): groups computed on the freed devices 4-7 (a 4-device sub-mesh) and the rest on
+    the whole mesh, one update == the synchronous full-backward update, within the blockwise tolerance
+    (tests/test_blockwise.py: 1e-5 float32); its block counts reach the step's metrics; nothing compiles
+    after warm()."""
+    params, ref, spec, updater = model
+    cfg = _cfg()
+    groups = _groups(np.random.default_rng(2), cfg, 6)
+    samples = [s for g in groups for s in g]
+    opt = TX.init(params)
+    g_sync, p_sync, m_sync = _sync(cfg, mesh, updater, params, ref, opt, samples)
+    blockwise = BlockwiseUpdater(CFG, spec, TX, block_size=20)       # 48 -> 60: padded rows, 3 blocks
+    mb_rows = rl.micro_batch_rows(cfg, mesh, PACK_LEN)
+    st = StreamTrainer(cfg, StreamSection(enabled=True), CFG, spec, blockwise, mesh, pack_len=PACK_LEN, mb_rows=mb_rows)
+    st.warm(params, opt, ref, devices=jax.devices()[4:])
+    p0, o0 = _copy(params), _copy(opt)
+    counter = CompileCounter()
+    st.begin(p0, ref)
+    st.add_group(groups[0])
+    st.repurpose(jax.devices()[4:])
+    for g in groups[1:]:
+        st.add_group(g)
+    grads, _, denominator = st.combine(p0)
+    assert _rel(jax.tree.map(lambda g: np.asarray(g, np.float64) / denominator, jax.device_get(grads)), g_sync) <= 1e-5
+    new, _, m = st.finish(p0, o0)
+    assert counter.take()["compiles"] == 0 and m["stream/groups_early"] > 0
+    n = m["blockwise/blocks"] + m["blockwise/skipped"]            # 3 blocks per micro-batch, early and late
+    assert m["blockwise/blocks"] > 0 and n % 3 == 0 and n // 3 >= 2 and m["stream/samples_early"] > 0
+    for key in ("loss", "kl", "entropy"):
+        assert m[key] == pytest.approx(m_sync[key], rel=1e-5, abs=1e-7), key
+    for s, y in zip(jax.tree.leaves(new), jax.tree.leaves(p_sync)):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- (2)
 def _drive(svc, cfg, prompts, sampling, st=None):
     """The rollout loop a trainer runs: add every prompt, step, score each group as its last sample
@@ -266,7 +302,7 @@ def test_plan_shrink_rule():
     ("algo.mini_batches", dict(algo=AlgoSection(mini_batches=2))),
     ("algo.advantage", dict(algo=AlgoSection(advantage="reinforce_pp"))),
     ("distributed.num_processes", dict(distributed=DistributedSection(num_processes=2))),
-    ("trainer.backward", dict(trainer=TrainerSection(backward="blockwise"))),
+    ("trainer.kv_source", dict(trainer=TrainerSection(backward="blockwise", kv_source="rollout"))),
     ("trainer.micro_batch_tokens", dict(trainer=TrainerSection(micro_batch_tokens=None))),
     ("engine.instances", dict(engine=EngineSection(instances=3))),
     ("engine.instances", dict(engine=EngineSection(instances=1))),

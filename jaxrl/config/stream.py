@@ -80,9 +80,10 @@ def check_stream(stream: StreamSection, cfg: TrainConfig, *, processes: int | No
     if n > 1:
         raise ConfigError("distributed.num_processes", f"{n} {why}: each process would shrink its own instances "
                           "at its own milestones while the train mesh spans all of them; run one process")
-    if t.backward != "full":
-        raise ConfigError("trainer.backward", f"{t.backward} {why}: the blockwise backward updates inside its "
-                          "own step (no gradient-only entry point to run on the freed devices yet); use full")
+    if t.backward == "blockwise" and t.kv_source == "rollout":
+        raise ConfigError("trainer.kv_source", f"rollout {why}: the rollout's K/V are staged per micro-batch of the "
+                          "whole batch on the train mesh, not per streamed group on the freed devices; use "
+                          "kv_source=recompute")
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: streamed gradients run over fixed-shape "
                           "micro-batches; set a token budget")

@@ -223,7 +223,9 @@ class BlockwiseUpdater(Updater):
 
     update(params, opt_state, mbs, denominator=1.0, kv=None) -> (params, opt_state, metrics); `kv` is one
     (K, V) [L, R, P, K, D] per micro-batch for kv_source="rollout" (None: recomputed). After an update,
-    `last` holds the blockwise metrics of it: blocks run and skipped."""
+    `last` holds the blockwise metrics of it: blocks run and skipped. `accumulate` is the gradient-only
+    entry point (one micro-batch's sums; streamed and disaggregated updates), `counts` the blocks since
+    `reset_counts`."""
 
     def __init__(self, cfg: ModelConfig, spec: LossSpec, tx, *, block_size: int, kv_source: str = "recompute",
                  **kw):
@@ -243,7 +245,8 @@ class BlockwiseUpdater(Updater):
         self.zero_kv = jax.jit(_zeros_like_kv, static_argnames=("sharding",))
         self.zero_acc = jax.jit(_zero_acc, static_argnames=("shardings", "scalar"))
         self.pad = jax.jit(_pad_rows, static_argnames=("length",))
-        self.last = {"blocks": 0, "skipped": 0}
+        self.last = {"blocks": 0, "skipped": 0}         # of the last `gradients` call
+        self.reset_counts()                             # since the step began (`counts`)
 
     def padded_len(self, P: int) -> int:
         return -(-P // self.block) * self.block
@@ -257,27 +260,67 @@ class BlockwiseUpdater(Updater):
         return self.cache("apply", self.apply, params, opt_state, grads, float(denominator), stats)
 
     def gradients(self, params, mbs: list[dict], kv=None):
-        """(grad_sums, stats_sums) over the micro-batches: `grad_step`'s contract, computed blockwise."""
+        """(grad_sums, stats_sums) over the micro-batches: `grad_step`'s contract, computed blockwise; `last`
+        holds this call's block counts."""
         if kv is None and self.kv_source == "rollout":
             raise ValueError("kv_source='rollout' needs the rollout's K/V for every micro-batch")
-        acc = self.cache("zero_acc", self.zero_acc, params, **acc_shardings(params))
-        blocks = skipped = 0
-        for j, raw in enumerate(mbs):
-            plan = plan_blocks(blocks_with_loss(raw["loss_mask"], self.block), self.block, self.cfg.sliding_window,
-                               self.cfg.num_layers)
-            n = -(-raw["tokens"].shape[1] // self.block)
-            blocks, skipped = blocks + len(plan), skipped + n - len(plan)
-            if not plan:
-                continue
-            mb = self._prepare(raw)
-            at = history_sharding(raw["tokens"].sharding)
-            hk, hv = (self.cache("kv", self.kv_fn, params, mb, sharding=at) if kv is None
-                      else self.cache("store", self.store, kv[j], sharding=at))
-            gk, gv = self.cache("zero_kv", self.zero_kv, hk, sharding=at)
-            for i in plan:
-                gk, gv, acc = self.cache("block", self.step_fn, params, mb, hk, hv, gk, gv, acc,
-                                         np.int32(i * self.block), sharding=at)
-        self.last = {"blocks": blocks, "skipped": skipped}
+        self.last = {"blocks": 0, "skipped": 0}
+        acc = None
+        for j, mb in enumerate(mbs):
+            acc = self.accumulate(params, mb, acc, None if kv is None else kv[j])
+        return acc
+
+    def accumulate(self, params, raw: dict, acc=None, kv=None):
+        """One micro-batch's gradient sums, block by block, added to `acc` (None: fresh sums in the weights'
+        shardings): the gradient-only entry point (`Updater.accumulate`) of streamed, disaggregated and
+        asynchronous updates. `kv`: this micro-batch's rollout (K, V) (kv_source="rollout")."""
+        if kv is None and self.kv_source == "rollout":
+            raise ValueError("kv_source='rollout' needs the rollout's K/V for every micro-batch")
+        if acc is None:
+            acc = self.cache("zero_acc", self.zero_acc, params, **acc_shardings(params))
+        plan = plan_blocks(blocks_with_loss(raw["loss_mask"], self.block), self.block, self.cfg.sliding_window,
+                           self.cfg.num_layers)
+        n = -(-raw["tokens"].shape[1] // self.block)
+        for c in (self.last, self._counts):
+            c["blocks"], c["skipped"] = c["blocks"] + len(plan), c["skipped"] + n - len(plan)
+        if not plan:
+            return acc
+        mb = self._prepare(raw)
+        at = history_sharding(raw["tokens"].sharding)
+        hk, hv = (self.cache("kv", self.kv_fn, params, mb, sharding=at) if kv is None
+                  else self.cache("store", self.store, kv, sharding=at))
+        gk, gv = self.cache("zero_kv", self.zero_kv, hk, sharding=at)
+        for i in plan:
+            gk, gv, acc = self.cache("block", self.step_fn, params, mb, hk, hv, gk, gv, acc, np.int32(i * self.block),
+                                     sharding=at)
+        return acc
+
+    def reset_counts(self):
+        self._counts = {"blocks": 0, "skipped": 0}
+
+    def counts(self) -> dict:
+        return {"blockwise/blocks": self._counts["blocks"], "blockwise/skipped": self._counts["skipped"]}
+
+    def warm_accumulate(self, params, mb: dict, kv=None):
+        """Compile every executable `accumulate` runs for these (abstract) params and micro-batch (`kv`: the
+        abstract rollout (K, V)), following the block step's outputs until they repeat; nothing runs.
+        Returns the abstract sums."""
+        p, mb = _abstract(params), _abstract(mb)
+        at = history_sharding(mb["tokens"].sharding)
+        P = self.padded_len(mb["tokens"].shape[1])
+        if P != mb["tokens"].shape[1]:
+            mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
+        acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p, **acc_shardings(p)))
+        hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv), sharding=at))
+                  if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
+        gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))
+        start = np.int32(0)
+        for _ in range(3):      # the step's outputs feed it again: follow them until they repeat
+            out = _out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start,
+                                                   sharding=at))
+            if self.cache.key("x", out) == self.cache.key("x", (gk, gv, acc)):
+                break
+            gk, gv, acc = out
         return acc
 
     def warm(self, params, opt_state, mb: dict, logp_params=(), kv=None) -> int:
@@ -289,26 +332,11 @@ class BlockwiseUpdater(Updater):
         logp_mb = {k: mb[k] for k in FIELDS}
         for extra in logp_params:
             self.cache.compile("logp", self.logp, _abstract(extra), logp_mb)
-        at = history_sharding(mb["tokens"].sharding)
-        P = self.padded_len(mb["tokens"].shape[1])
-        if P != mb["tokens"].shape[1]:
-            mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
         for _ in range(3):
             self.cache.compile("logp", self.logp, p, logp_mb)
-            acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p, **acc_shardings(p)))
-            hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv), sharding=at))
-                      if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
-            gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))
-            start = np.int32(0)
-            for _ in range(3):      # the step's outputs feed it again: follow them until they repeat
-                out = _out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start,
-                                                       sharding=at))
-                if self.cache.key("x", out) == self.cache.key("x", (gk, gv, acc)):
-                    break
-                gk, gv, acc = out
+            acc = self.warm_accumulate(p, mb, kv)
             new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc[0], 1.0, acc[1]))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break
             p, o = new_p, new_o
         return self.cache.compiles - before
-

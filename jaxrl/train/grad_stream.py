@@ -41,10 +41,6 @@ def _rows(samples: list[Sample], pack_len: int) -> list[list[int]]:
     return pack_rows([len(s.prompt) + len(s.response) for s in samples], pack_len)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 class GradientStream:
     def __init__(self, cfg, spec, updater, mesh, *, pack_len: int, mb_rows: int, behaviour: bool = False,
                  executor=None):
@@ -64,6 +60,7 @@ class GradientStream:
     def begin(self, ref_params):
         """A new step (the reference weights on the train mesh when algo.kl_coef > 0)."""
         self._ref = ref_params
+        self.updater.reset_counts()
         self._where = None                     # (params, ref, rows sharding) of the streamed gradients
         self._acc = self._combined = None
         self._held, self._pending = [], []     # groups (lists of samples), oldest first
@@ -126,7 +123,9 @@ class GradientStream:
         """`combine`, divide by D once, one optimizer update (params and opt_state donated). Returns
         (params, opt_state, metrics) with the metrics still on the devices."""
         grads, stats, denominator = self.combine(params)
-        return self.updater.cache("apply", self.updater.apply, params, opt_state, grads, float(denominator), stats)
+        params, opt_state, m = self.updater.cache("apply", self.updater.apply, params, opt_state, grads,
+                                                  float(denominator), stats)
+        return params, opt_state, {**m, **self.updater.counts()}
 
     # ------------------------------------------------------------------ internals
     def abstract_mb(self, rows: NamedSharding) -> dict:
@@ -137,19 +136,19 @@ class GradientStream:
         return {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
                                         sharding=rows) for k in self.keys()}
 
+    def abstract_sums(self, params):
+        """The train mesh's gradient sums (abstract, with their shardings): where the combined sums go (the
+        update's warmed input signature)."""
+        return self.updater.warm_accumulate(params, self.abstract_mb(self.train_rows))
+
     def grad_shardings(self, params):
-        """Output shardings of the train mesh's gradient step: where the combined sums go (the update's
-        warmed input signature)."""
-        exe = self.updater.cache.compile("grad", self.updater.grad, _abstract(params), self.abstract_mb(self.train_rows))
-        return exe.output_shardings
+        return jax.tree.map(lambda s: s.sharding, self.abstract_sums(params))
 
     def _grad(self, params, ref, part: dict, rows: NamedSharding, acc):
         mb = {k: jax.device_put(v, rows) for k, v in part.items()}
         if self.spec.kl_coef:
             mb["ref_logp"] = self.updater.logprobs(ref, mb)
-        if acc is None:
-            return self.updater.cache("grad", self.updater.grad, params, mb)
-        return self.updater.cache("grad", self.updater.grad, params, mb, acc)
+        return self.updater.accumulate(params, mb, acc)
 
     def _micro_batches(self, samples: list[Sample], rows: list[list[int]]):
         """Host micro-batches (mb_rows x pack_len each) of `samples` packed as `rows`, the last padded with
@@ -188,7 +187,7 @@ def warm_sum(gs: GradientStream, params) -> None:
     """Run the combine's add program once on zeros (what `combine` sums the accumulators with)."""
     import jax.numpy as jnp
 
-    shardings = gs.grad_shardings(params)
-    exe = gs.updater.cache.compile("grad", gs.updater.grad, _abstract(params), gs.abstract_mb(gs.train_rows))
-    zeros = jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), exe.out_info, shardings)
+    sums = gs.abstract_sums(params)
+    shardings = jax.tree.map(lambda s: s.sharding, sums)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), sums)
     jax.block_until_ready(sum_onto([zeros, zeros], shardings))

@@ -62,7 +62,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -72,8 +71,7 @@ from models import logical_axes, vocab_rows
 from sharding import Layout, ShardingRules, reshard, shardings_for
 
 from .batch import FIELDS, Sample
-from .grad_stream import ROWS, GradientStream
-from .step import sum_onto
+from .grad_stream import ROWS, GradientStream, warm_sum
 from .update import Updater
 
 
@@ -352,12 +350,8 @@ class StreamTrainer:
             smb = self.gs.abstract_mb(sub.rows)
             if self.spec.kl_coef:
                 self.updater.cache.compile("logp", self.updater.logp, p, {k: smb[k] for k in FIELDS})
-            acc = _out(self.updater.cache.compile("grad", self.updater.grad, p, smb))
-            acc2 = _out(self.updater.cache.compile("grad", self.updater.grad, p, smb, acc))
-            self.updater.cache.compile("grad", self.updater.grad, p, smb, acc2)
-        exe = self.updater.cache.compile("grad", self.updater.grad, _abstract(params), mb)
-        zeros = jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), exe.out_info, exe.output_shardings)
-        jax.block_until_ready(sum_onto([zeros, zeros], exe.output_shardings))     # the final sum's add program
+            self.updater.warm_accumulate(p, smb)
+        warm_sum(self.gs, params)                 # the final sum's add program
         return self.updater.cache.compiles - before
 
     # ------------------------------------------------------------------ internals
@@ -387,7 +381,3 @@ class StreamTrainer:
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
-
-def _out(exe):
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), exe.out_info,
-                        exe.output_shardings)

@@ -54,10 +54,32 @@ class Updater:
         """One optimizer update from the summed gradients of `mbs` (params and opt_state are donated)."""
         acc = None
         for mb in mbs:
-            acc = self.cache("grad", self.grad, params, mb) if acc is None else \
-                self.cache("grad", self.grad, params, mb, acc)
+            acc = self.accumulate(params, mb, acc)
         grads, stats = acc
         return self.cache("apply", self.apply, params, opt_state, grads, float(denominator), stats)
+
+    # ------------------------------------------------------------ the gradient-only entry point
+    def accumulate(self, params, mb: dict, acc=None):
+        """One micro-batch's (grad_sums, stats_sums) added to `acc` (None: fresh sums), on whatever mesh
+        `mb` and `params` live on: what streamed and disaggregated updates call per micro-batch, summing
+        the accumulators onto the train mesh and calling `apply` once at the end (`grad_stream`)."""
+        return self.cache("grad", self.grad, params, mb) if acc is None else self.cache("grad", self.grad, params, mb, acc)
+
+    def warm_accumulate(self, params, mb: dict):
+        """Compile every executable `accumulate` runs for these (abstract) params and micro-batch, with and
+        without sums, following their shardings; nothing runs. Returns the abstract sums (where they live)."""
+        p, mb = _abstract(params), _abstract(mb)
+        acc = _out_abstract(self.cache.compile("grad", self.grad, p, mb))
+        acc2 = _out_abstract(self.cache.compile("grad", self.grad, p, mb, acc))
+        self.cache.compile("grad", self.grad, p, mb, acc2)
+        return acc2
+
+    def reset_counts(self):
+        """Start counting this step's mechanism metrics (`counts`) afresh."""
+
+    def counts(self) -> dict:
+        """The update's own per-step metrics since `reset_counts` (the blockwise backward's blocks)."""
+        return {}
 
     def warm(self, params, opt_state, mb: dict, logp_params=()) -> int:
         """Compile every executable `update`/`logprobs` will run on micro-batches shaped like `mb` (arrays or
@@ -70,9 +92,7 @@ class Updater:
             self.cache.compile("logp", self.logp, _abstract(extra), {k: mb[k] for k in FIELDS})
         for _ in range(3):
             self.cache.compile("logp", self.logp, p, {k: mb[k] for k in FIELDS})
-            acc = _out_abstract(self.cache.compile("grad", self.grad, p, mb))
-            acc2 = _out_abstract(self.cache.compile("grad", self.grad, p, mb, acc))
-            self.cache.compile("grad", self.grad, p, mb, acc2)
+            acc2 = self.warm_accumulate(p, mb)
             new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc2[0], 1.0, acc2[1]))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break

@@ -17,7 +17,6 @@ from __future__ import annotations
 import jax
 
 from . import rl
-from .blockwise import BlockwiseUpdater
 
 
 def prepare(tr, samples, kvs=None):
@@ -45,15 +44,12 @@ def run(tr, mbs, caches) -> dict:
         if mini > 1 and "old_logp" not in mb:
             mb["old_logp"] = tr.updater.logprobs(tr.params, mb)
     per = len(mbs) // mini
-    blocks = skipped = 0
+    tr.updater.reset_counts()
     for k in range(mini):
         part = slice(k * per, (k + 1) * per)
         kw = {"kv": caches[part]} if caches is not None else {}
         tr.params, tr.opt_state, m = tr.updater.update(tr.params, tr.opt_state, mbs[part], **kw)
-        if isinstance(tr.updater, BlockwiseUpdater):
-            blocks, skipped = blocks + tr.updater.last["blocks"], skipped + tr.updater.last["skipped"]
-    if isinstance(tr.updater, BlockwiseUpdater):      # it says that it ran (blockwise/... metrics)
-        m.update({"blockwise/blocks": blocks, "blockwise/skipped": skipped})
+    m.update(tr.updater.counts())        # the update says that it ran (blockwise/... metrics)
     return m
 
 
