@@ -2,7 +2,8 @@
 
 With no arguments: configs/quickstart.yaml (tiny model, built-in tasks, warm start, then GRPO).
 Reads like a table of contents: config -> start-up checks (paths, tokenizer, resume: `preflight`) ->
-devices/distributed -> Trainer (data, rewards, rollout, trainer) -> run -> where the outputs are.
+devices/distributed -> Trainer (data, rewards, rollout, trainer) -> run -> `RUN_DIR/summary.json`
+(`jaxrl.train.summary`: the figures the README's quickstart table renders) -> where the outputs are.
 A config or start-up error stops here with one line (exit 2), before JAX initialises, anything
 compiles or the run directory is created.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from jaxrl.config import CONFIGS_DIR, parse_cli
 from jaxrl.config.train import TrainConfig
@@ -54,7 +56,8 @@ def _flags(argv: list[str]) -> tuple[list[str], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, resume = _flags(list(sys.argv[1:] if argv is None else argv))
+    start, raw = time.perf_counter(), list(sys.argv[1:] if argv is None else argv)
+    argv, resume = _flags(raw)
     cfg = parse_cli(TrainConfig, argv, default_yaml=CONFIGS_DIR / "quickstart.yaml", prog=PROG, examples=(
         "model.hf_path=/ckpt/Qwen3-0.6B data.source=my.jsonl rewards.fn=my_rewards:score run_dir=runs/mine",
         "steps=20 run_dir=runs/try algo.advantage=rloo optim.lr=3e-4 'profile_steps=[3, 5]'",
@@ -96,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if trainer.is_main:
         from jaxrl.train.metrics import run_summary
+        from jaxrl.train.summary import write_summary
 
+        write_summary(cfg.run_dir, time.perf_counter() - start, resumed=plan.resume, argv=raw)
         print("\n".join(run_summary(cfg.run_dir)), flush=True)
     return 0
 

@@ -1,0 +1,103 @@
+"""`RUN_DIR/summary.json`: a run's headline figures, written by `python -m jaxrl.train` when the run ends.
+
+These are the figures of the README's quickstart table. `scripts/docs.py` renders that table from
+`scripts/results/quickstart.json`, a copy of a quickstart run's `summary.json`, so the table is never typed
+by hand:
+
+    scripts/venv.sh python -m jaxrl.train
+    cp runs/quickstart/summary.json scripts/results/quickstart.json && scripts/venv.sh python scripts/docs.py
+
+Everything but `wall_s` comes from `metrics.jsonl`, so a resumed run's figures cover the whole run from
+step 0. `wall_s` is this process's time from `main()` to the end, after the venv check (which runs before
+Python) and before nothing else: compilation, the warm start, every RL step, checkpoints and the HF export.
+For a resumed run it covers only the last invocation (`resumed: true` says so). "First/last 20%" are the
+first and last max(1, steps // 5) RL steps, as in the run's closing line (`metrics.run_summary`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from jaxrl.train.metrics import read_rows
+
+
+def machine() -> dict:
+    """Where the run ran: OS platform string, CPU model (from /proc/cpuinfo; `platform.processor()`
+    elsewhere), logical CPUs in the machine and those this process may use."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:                                  # not on Linux
+        usable = os.cpu_count()
+    return {"platform": platform.platform(), "cpu": cpu or platform.processor() or "unknown",
+            "cpu_count": os.cpu_count(), "cores": usable, "python": platform.python_version()}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _num(row: dict, key: str) -> float | None:
+    v = row.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [v for v in (_num(r, key) for r in rows) if v is not None]
+
+
+def summarize(rows: list[dict], wall_s: float | None = None) -> dict:
+    """The summary of the RL steps in `rows` (the rows of `metrics.jsonl` that carry `reward_mean`)."""
+    rows = [r for r in rows if _num(r, "reward_mean") is not None]
+    n = len(rows)
+    k = max(1, n // 5)
+    first, last = rows[:k], rows[-k:]
+
+    def median(key):
+        vals = _values(rows, key)
+        return statistics.median(vals) if vals else None
+
+    lens_max = _values(rows, "response_len_max")
+    return {
+        "steps": n,
+        "first_step": rows[0]["step"] if rows else None,
+        "last_step": rows[-1]["step"] if rows else None,
+        "window_steps": k if rows else 0,
+        "wall_s": wall_s,
+        "step_seconds_median": median("step_seconds"),
+        "rollout_s_median": median("rollout_s"),
+        "reward_s_median": median("reward_s"),
+        "train_s_median": median("train_s"),
+        "reward_mean_first": _mean(_values(first, "reward_mean")),
+        "reward_mean_last": _mean(_values(last, "reward_mean")),
+        "pass_rate_first": _mean(_values(first, "pass_rate")),
+        "pass_rate_last": _mean(_values(last, "pass_rate")),
+        "response_len_mean": _mean(_values(rows, "response_len_mean")),
+        "response_len_max": max(lens_max) if lens_max else None,
+        "compiles_after_step0": sum(_values(rows[1:], "compiles")),
+    }
+
+
+def write_summary(run_dir: str | Path, wall_s: float | None, *, resumed: bool = False,
+                  argv: list[str] | None = None) -> Path:
+    """Write `run_dir/summary.json` (atomically) from its `metrics.jsonl`; returns the path."""
+    run_dir = Path(run_dir)
+    out = {"command": " ".join(["python -m jaxrl.train", *(sys.argv[1:] if argv is None else argv)]),
+           **summarize(read_rows(run_dir), wall_s), "resumed": resumed, "machine": machine()}
+    path = run_dir / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path

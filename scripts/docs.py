@@ -1,0 +1,475 @@
+"""Render the docs' measured tables from the JSON files in scripts/results/, and serve the docs with MkDocs.
+
+    scripts/venv.sh python scripts/docs.py            # rewrite every rendered block in README.md and docs/
+    scripts/venv.sh python scripts/docs.py --check    # exit 1, naming each page that differs from its JSON
+    scripts/venv.sh mkdocs serve                      # the site (mkdocs.yml; this file is its hook)
+
+A rendered block is everything between `<!-- render:NAME -->` and `<!-- /render:NAME -->` in a page; NAME
+is one of `RENDERERS` below, each a function of the JSON files a benchmark script wrote. A block ends with
+the machine that measured it, from the JSON's own `machine` / `environment` fields, or "machine: not
+recorded" where the JSON has none. Never edit a block by hand: re-run the benchmark (its command is in the
+page), then this script. `tests/test_docs.py` fails when a page differs from what its JSON renders to.
+
+As a MkDocs hook (`hooks:` in mkdocs.yml) this module serves README.md as the site's home page and the
+figures in scripts/results/ at `results/`, and rewrites the pages' repository-relative links
+(`../scripts/results/X.png` in docs/, `docs/X.md` and `scripts/results/X.png` in README.md) to those
+locations. The figures therefore have one copy, in scripts/results/, and the links also work on GitHub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "scripts" / "results"
+DOCS = ROOT / "docs"
+MARK = re.compile(r"(<!-- render:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)", re.S)
+
+RENDERERS: dict[str, Callable[[], str]] = {}
+
+
+def renders(name: str):
+    def register(fn):
+        RENDERERS[name] = fn
+        return fn
+    return register
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _load_module(name: str, path: Path):
+    """Import a file by path, without running its package's __init__ (jaxrl.sim's imports JAX)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def machine(d: dict) -> str:
+    """Which machine measured `d`: its `machine` (or `environment`) fields, else "not recorded"."""
+    m = d.get("machine", d.get("environment"))
+    if isinstance(m, str):
+        return m
+    parts = []
+    if isinstance(m, dict):
+        cores = m.get("cores") or m.get("cpus") or m.get("cpu_cores")
+        parts = [str(m[k]) for k in ("cpu", "platform") if m.get(k)] + ([f"{cores} cores"] if cores else [])
+    if parts:
+        return ", ".join(parts)
+    backend = d.get("backend") or d.get("device")
+    return "not recorded" + (f" (backend: {backend})" if backend else "")
+
+
+def footer(*files: str, who: str | None = None) -> str:
+    srcs = ", ".join(f"`scripts/results/{f}`" for f in files)
+    who = who if who is not None else "; ".join(dict.fromkeys(machine(load(f)) for f in files))
+    return f"*Machine: {who}. Rendered from {srcs} by `scripts/docs.py`.*"
+
+
+def table(head: list[str], align: str, rows: list[list]) -> str:
+    """A Markdown table; `align` has one character per column: l (left) or r (right)."""
+    sep = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return "\n".join(["| " + " | ".join(head) + " |", sep] + ["| " + " | ".join(str(c) for c in r) + " |"
+                                                             for r in rows])
+
+
+def spaced(n: int) -> str:
+    return f"{n:,}".replace(",", " ")
+
+
+def pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+# ------------------------------------------------------------------------------------------- quickstart
+
+QUICKSTART = "quickstart.json"
+
+
+@renders("quickstart")
+def quickstart() -> str:
+    if not (RESULTS / QUICKSTART).exists():
+        return ("**Not measured on this release yet:** run `scripts/venv.sh python -m jaxrl.train` and copy "
+                "`runs/quickstart/summary.json` to `scripts/results/quickstart.json`, then "
+                "`scripts/venv.sh python scripts/docs.py`. (The last hand-typed figures are in the "
+                "[changelog](docs/CHANGELOG.md).)")
+    q = load(QUICKSTART)
+    k, n = q["window_steps"], q["steps"]
+    wall = q["wall_s"]
+    wall_s = f"{int(wall // 60)} min {wall % 60:.0f} s" if wall is not None else "not recorded"
+    f3 = lambda x: "–" if x is None else f"{x:.3f}"                     # noqa: E731
+    f2 = lambda x: "–" if x is None else f"{x:.2f}"                     # noqa: E731
+    gain = ("" if None in (q["reward_mean_first"], q["reward_mean_last"])
+            else f" ({q['reward_mean_last'] - q['reward_mean_first']:+.2f})")
+    rows = [
+        [f"wall time, `{q['command']}` (compile, warm start, {n} RL steps, checkpoints, HF export; not the "
+         "venv check)" + (" — last invocation of a resumed run" if q.get("resumed") else ""), wall_s],
+        [f"RL step, median (rollout {f2(q['rollout_s_median'])} s with rewards scored meanwhile + update "
+         f"{f2(q['train_s_median'])} s)", f"{f2(q['step_seconds_median'])} s"],
+        [f"mean reward, first 20% of RL steps ({k}) → last 20% ({k})",
+         f"{f3(q['reward_mean_first'])} → {f3(q['reward_mean_last'])}{gain}"],
+        ["pass rate (exact answers), first 20% → last 20%", f"{f3(q['pass_rate_first'])} → {f3(q['pass_rate_last'])}"],
+        ["response length, mean / max over the run",
+         f"{q['response_len_mean']:.1f} / {q['response_len_max']:.0f} tokens" if q["response_len_mean"] is not None
+         else "–"],
+        ["XLA compilations after RL step 0", f"{q.get('compiles_after_step0', 0):.0f}"],
+    ]
+    return table(["figure", "value"], "ll", rows) + "\n\n" + footer(QUICKSTART)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+@renders("train-memory")
+def train_memory() -> str:
+    d = load("bench_train_memory.json")
+    by = {(r["tokens"], r["remat"]): r["temp_gib"] for r in d["rows"]}
+    toks = sorted({t for t, _ in by})
+    rows = [[t] + [f"{by[(t, m)]:.2f} GiB" if (t, m) in by else "–" for m in ("none", "layer", "dots")] for t in toks]
+    return (table(["tokens", "remat none", "remat layer", "remat dots"], "rrrr", rows) + "\n\n"
+            + footer("bench_train_memory.json"))
+
+
+@renders("train-throughput")
+def train_throughput() -> str:
+    d = load("bench_train.json")
+    models, seen, rows = d["settings"]["models"], set(), []
+    for r in d["rows"]:
+        m = models[r["shape"]]
+        label = r["shape"].upper() if r["shape"][-1].isalpha() else r["shape"]
+        if r["shape"] not in seen:
+            label += f" (hidden {m['hidden_size']}, {m['num_layers']} layers)"
+            seen.add(r["shape"])
+        rows.append([label, f"{r['rows']} × {r['seq_len']}", f"{r['jaxrl_s']:.2f}", f"{r['torch_s']:.2f}",
+                     f"{r['ratio']:.2f}×", f"{r['jaxrl_gflops']:.0f}", pct(r["peak_fraction"])])
+    return (table(["model", "batch (rows × tokens)", "jaxrl s", "torch s", "speed-up", "jaxrl GFLOP/s", "of peak"],
+                  "llrrrrr", rows) + "\n\n" + footer("bench_train.json"))
+
+
+@renders("blockwise")
+def blockwise() -> str:
+    d = load("bench_blockwise.json")
+    g = lambda b: "–" if b is None else f"{b / 2**30:.2f}"             # noqa: E731
+    f = lambda x, spec: "–" if x is None else format(x, spec)          # noqa: E731
+    rows = []
+    for r in d["rows"]:
+        tr = r.get("time_ratio")
+        if tr is None and r["full_s"] and r["blockwise_s"] is not None:
+            tr = r["blockwise_s"] / r["full_s"]
+        rows.append([r["seq_len"], r["block"], g(r["full_bytes"]), g(r["blockwise_bytes"]), f(r["ratio"], ".2f"),
+                     f(r["full_s"], ".1f"), f(r["blockwise_s"], ".1f"), f(tr, ".2f")])
+    return (table(["tokens per row", "T", "full GiB", "blockwise GiB", "memory ratio", "full s", "blockwise s",
+                   "time ratio"], "rrrrrrrr", rows) + "\n\n" + footer("bench_blockwise.json"))
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+# The Throughput issue's targets for decode against transformers' generate(), per batch.
+ROLLOUT_TARGETS = {"ratio": 2.0, "peak_fraction_at": {64: 0.6}}
+
+
+@renders("rollout")
+def rollout() -> str:
+    d = load("bench_rollout.json")
+    rows = []
+    for r in d["rows"]:
+        peak = ROLLOUT_TARGETS["peak_fraction_at"].get(r["batch"])
+        ok = r["ratio"] >= ROLLOUT_TARGETS["ratio"] and (peak is None or (r.get("peak_fraction") or 0) >= peak)
+        target = f"≥ {ROLLOUT_TARGETS['ratio']:g}" + (f" and ≥ {pct(peak)} of peak" if peak else "")
+        frac = pct(r["peak_fraction"]) if r.get("peak_fraction") else "–"
+        rows.append([r["batch"], f"{r['ours_tok_s']:.1f}", f"{r['hf_tok_s']:.1f}", f"{r['ratio']:.2f}",
+                     f"{r.get('ours_gflops', 0):.1f}", frac, f"{r['greedy_token_agreement']:.3f}",
+                     f"{target} {'✓' if ok else '✗'}"])
+    out = table(["batch", "ours tok/s", "transformers tok/s", "ratio", "ours GFLOP/s", "of peak",
+                 "greedy token agreement", "target (Throughput issue)"], "rrrrrrrl", rows)
+    gpu = d.get("gpu")
+    out += ("\n\nGPU: not measured (`\"gpu\": null` in the JSON)." if not gpu else
+            f"\n\nGPU ({gpu['device']}), llama3.1-8b bf16, batch 1: {gpu['decode_ms_per_token']:.2f} ms/token, "
+            f"floor {gpu['floor_ms_measured']:.2f} ms (measured bandwidth), {pct(gpu['fraction_of_floor'])} of floor.")
+    return out + "\n\n" + footer("bench_rollout.json")
+
+
+# ----------------------------------------------------------------------------------------------- PAT
+
+@renders("pat-switch")
+def pat_switch() -> str:
+    d = load("bench_adaptive_tp.json")
+    labels = {"pat_migrate": "PAT, KV migrated (warm)", "pat_recompute": "PAT, KV recomputed (warm)",
+              "pat_migrate_cold": "PAT, KV migrated, first switch to the layout (cold)",
+              "pat_recompute_cold": "PAT, KV recomputed, cold",
+              "naive_restart": "naive restart (teardown, weights from host, compile, re-prefill)"}
+    rows = [[label] + [f"{d['switch'][k][f]:.2f}" for f in ("seconds", "weights_s", "kv_s", "compile_s", "control_s")]
+            for k, label in labels.items() if k in d["switch"]]
+    src, dst = d["switch_from_to"]
+    return (table(["path", "seconds", "weights", "KV (move / re-prefill)", "compile", "control"], "lrrrrr", rows)
+            + f"\n\nTP{src} → TP{dst}; `switch_speedup` (naive ÷ PAT migrate, warm) {d['switch_speedup']:.1f}×.\n\n"
+            + footer("bench_adaptive_tp.json"))
+
+
+@renders("pat-predictor")
+def pat_predictor() -> str:
+    d = load("bench_adaptive_tp_predictor.json")
+    rows = [[f"TP{tp}", pct(d["predictor_mape_sum"][tp], 1), pct(d["predictor_mape_padded"][tp], 1),
+             pct(d["noise"][tp], 1)] for tp in sorted(d["predictor_mape_sum"], key=int)]
+    return (table(["layout", "MAPE, T = Σ context (paper)", "MAPE, padded shape", "one run's own noise"], "lrrr", rows)
+            + "\n\n" + footer("bench_adaptive_tp_predictor.json"))
+
+
+# ------------------------------------------------------------------------------------------- RollPacker
+
+@renders("tail-batching")
+def tail_batching() -> str:
+    d = load("bench_tail_batching.json")
+    roof = d["roofline"]
+    rows = []
+    for key, label in (("sync", "synchronous"),
+                       ("tail_batching", f"tail batching (η {d['eta_prompts']:g} / {d['eta_responses']:g})")):
+        s = d[key]
+        rows.append([label, f"{s['seconds']:.1f}", f"{s['seconds_per_trained_prompt']:.3f}", s["engine_steps"],
+                     f"{s['decode_rows_per_step']:.1f}", f"{1000 * s['seconds_per_engine_step']:.1f}",
+                     f"{spaced(s['decoded_tokens'])} ({spaced(s['wasted_tokens'])})",
+                     f"{s['decoded_tokens'] / s['seconds']:.0f}", f"{roof['cpu'][key + '_decode_s']:.1f}",
+                     f"{roof['h100'][key + '_decode_s']:.3f}"])
+    return (table(["schedule", "rollout s", "s / trained prompt", "engine steps", "decode rows / step", "ms / step",
+                   "decoded tokens (wasted)", "tok/s", "decode s at this CPU's roofline", "at an H100's"],
+                  "llllllllll", rows)
+            + f"\n\n`speedup` {d['speedup']:.2f}×; {d['engine_step_ratio']:.2f}× fewer engine steps; at the roofline "
+              f"{roof['cpu']['speedup']:.2f}× (this CPU), {roof['h100']['speedup']:.2f}× (H100).\n\n"
+            + footer("bench_tail_batching.json"))
+
+
+@renders("code-rewards")
+def code_rewards() -> str:
+    d = load("bench_code_rewards.json")
+    c, s = d["config"], d["summary"]
+    labels = {"fixed": f"fixed (every case {c['t_max']:g} s)",
+              "adaptive": f"adaptive (λ {c['lam']:g}, {c['t_min']:g}–{c['t_max']:g} s)"}
+    rows = [[labels[m], f"{s[m]['cold_wall_s']:.1f} s", f"{s[m]['warm_mean_wall_s']:.1f} s",
+             f"{s[m]['mean_wall_s']:.1f} s"] for m in ("fixed", "adaptive")]
+    n = c["steps"]
+    return (table(["mode", "step 1 (no anchors yet)", f"steps 2–{n} (mean)", f"mean over {n} steps"], "llll", rows)
+            + f"\n\nAdaptive ÷ fixed: {s['speedup_warm']:.1f}× per step once anchored, {s['speedup_all']:.1f}× over "
+              f"all {n} steps.\n\n" + footer("bench_code_rewards.json"))
+
+
+# --------------------------------------------------------------------------------------------- StreamRL
+
+@renders("lpt")
+def lpt() -> str:
+    d = load("bench_lpt.json")
+    labels = {"fcfs": "FCFS", "lpt_oracle": "LPT, true lengths",
+              "lpt_predicted": f"LPT, noisy prediction (τ {d['prediction_kendall_tau']:.2f})"}
+    rows = [[labels[k], o["engine_steps"], o["list_schedule_steps"], f"{o['seconds_median']:.2f}"]
+            for k, o in d["orders"].items()]
+    return (table(["admission", "decode steps", "list-schedule steps", "seconds (median)"], "llll", rows)
+            + f"\n\nLPT (true lengths) ÷ FCFS: {d['step_ratio_lpt_oracle']:.2f}× fewer decode steps, "
+              f"{d['speedup_lpt_oracle']:.2f}× in wall time.\n\n" + footer("bench_lpt.json"))
+
+
+@renders("pipeline")
+def pipeline() -> str:
+    d = load("bench_pipeline.json")
+    dev = d["devices"]
+    n = len(dev["colocated"]["gen"])
+    labels = {"colocated": f"colocated ({n} instances, fsdp {len(dev['colocated']['train'])}, shared)",
+              "disaggregated": f"disaggregated ({len(dev['disaggregated']['train'])} + "
+                               f"{len(dev['disaggregated']['gen'])}), dynamic batches",
+              "async": "disaggregated, one-step-async"}
+    rows = []
+    for k, label in labels.items():
+        m = d["modes"][k]
+        wait = f"{m['train_wait_s_mean']:.2f} s" if "train_wait_s_mean" in m else "—"
+        stale = str(max(m["staleness"])) if m.get("staleness") else "0 (synchronous)"
+        rows.append([label, f"{m['seconds_per_step']:.2f}", pct(m["gen_busy_fraction"]),
+                     pct(m["train_busy_fraction"]), wait, stale])
+    return (table(["mode", "s/step", "generation pool busy", "train pool busy",
+                   "train pool's wait after the rollout", "staleness"], "llllll", rows)
+            + "\n\n" + footer("bench_pipeline.json"))
+
+
+# --------------------------------------------------------------------------------------------- DistFlow
+
+@renders("flow")
+def flow() -> str:
+    d = load("bench_flow.json")
+    rows = [[r["processes"], r["samples"], f"{r['proc0_sample_bytes']:,}", f"{r['single_controller_proc0_bytes']:,}",
+             f"{r['bytes_moved']:,}", pct(r["padding_local"], 1), pct(r["padding_balanced"], 1)] for r in d["rows"]]
+    return (table(["processes", "samples", "sample bytes reaching process 0 (ours)",
+                   "single-controller twin: bytes into process 0", "bytes moved (all processes)",
+                   "padding, each packs its own", "padding, token-balanced"], "rrrrrrr", rows)
+            + "\n\n" + footer("bench_flow.json"))
+
+
+# -------------------------------------------------------------------------------------------- simulator
+
+@renders("sim-validation")
+def sim_validation() -> str:
+    d = load("bench_sim_validation.json")
+    rows = []
+    for r in d["rows"]:
+        real = [s["real"] for s in r["steps"]]
+        sim = [s["sim"] for s in r["steps"]]
+        rows.append([f"{r['row']} (TP{real[0]['tp']})", len(real), "/".join(s["kind"] for s in real),
+                     sum(s["engine_steps"] for s in real), sum(s["preemptions"] for s in real),
+                     sum(s["switches"] for s in real), "yes" if r["counts_equal"] else "**no**",
+                     f"{r['rollout_s_real']:.2f}", f"{r['rollout_s_sim']:.2f}",
+                     f"{r['rollout_s_sim'] / r['rollout_s_real'] - 1:+.1%}"])
+        assert sum(s["engine_steps"] for s in sim) == rows[-1][3] or not r["counts_equal"]
+    return (table(["row (start layout)", "steps", "round types", "engine steps", "preemptions", "PAT switches",
+                   "counts equal", "rollout s, measured", "rollout s, simulated", "error"], "llllllllll", rows)
+            + f"\n\nAll rows together: {d['total_time_error']:+.1%}; the largest single-step error "
+              f"{d['max_abs_time_error']:.0%}.\n\n" + footer("bench_sim_validation.json"))
+
+
+SIM = "bench_sim_cluster.json"
+SIM_WHO = ("simulated on the analytic GPU presets (`jaxrl/sim/hardware.py`; virtual time); the host that ran "
+           "the simulator: not recorded")
+
+
+def _sim():
+    """bench_sim_cluster.py's own table functions (one formatting for its .md and for these pages)."""
+    return _load_module("bench_sim_cluster", ROOT / "scripts" / "bench_sim_cluster.py"), load(SIM)
+
+
+def _sim_rows(s: dict) -> str:
+    return _load_module("jaxrl_sim_report", ROOT / "jaxrl" / "sim" / "report.py").table(s["rows"]).rstrip("\n")
+
+
+def _sim_block(text: str) -> str:
+    return text.rstrip("\n") + "\n\n" + footer(SIM, who=SIM_WHO)
+
+
+@renders("sim-pat-llama8b")
+def sim_pat_llama8b() -> str:
+    b, d = _sim()
+    return _sim_block(b.pat_table("pat_llama8b_h100", d["pat_llama8b_h100"]["summary"], 24576)[0])
+
+
+@renders("sim-pat-qwen14b")
+def sim_pat_qwen14b() -> str:
+    b, d = _sim()
+    return _sim_block(b.pat_table("pat_qwen3_14b_h100", d["pat_qwen3_14b_h100"]["summary"], 16384)[0])
+
+
+@renders("sim-pat-nodes")
+def sim_pat_nodes() -> str:
+    b, d = _sim()
+    return _sim_block(b.sweep_table(d["pat_llama8b_h100_nodes"]["summary"], ["baseline", "pat"]))
+
+
+@renders("sim-rollpacker-ladder")
+def sim_rollpacker_ladder() -> str:
+    b, d = _sim()
+    names = ("rollpacker_qwen25_7b_h800", "rollpacker_qwen25_14b_h800", "rollpacker_qwen25_32b_h800")
+    return _sim_block(b.ladder_table({n: d[n]["summary"] for n in names}))
+
+
+@renders("sim-rollpacker-14b")
+def sim_rollpacker_14b() -> str:
+    _, d = _sim()
+    return _sim_block(_sim_rows(d["rollpacker_qwen25_14b_h800"]["summary"]))
+
+
+@renders("sim-rollpacker-scale")
+def sim_rollpacker_scale() -> str:
+    b, d = _sim()
+    return _sim_block(b.sweep_table(d["rollpacker_scale_14b_h800"]["summary"], ["baseline", "rollpacker"],
+                                    "prompts_per_s"))
+
+
+@renders("sim-streamrl")
+def sim_streamrl() -> str:
+    _, d = _sim()
+    return _sim_block(_sim_rows(d["streamrl_qwen25_14b_h800"]["summary"]))
+
+
+@renders("sim-distflow")
+def sim_distflow() -> str:
+    b, d = _sim()
+    return _sim_block(b.sweep_table(d["distflow_qwen25_7b_h100"]["summary"], ["baseline", "distflow"]))
+
+
+# -------------------------------------------------------------------------------------------- reference
+
+@renders("logprobs")
+def logprobs() -> str:
+    files = ("bench_logprobs.json", "bench_logprobs_f32.json")
+    rows = []
+    for f in files:
+        d = load(f)
+        rows.append([d["dtype"], f"{d['naive_temp_bytes']:,}", f"{d['chunked_temp_bytes']:,}", f"{d['ratio']:.3g}"])
+    return (table(["dtype", "naive temp bytes", "chunked temp bytes", "ratio"], "lrrr", rows) + "\n\n"
+            + footer(*files))
+
+
+# ------------------------------------------------------------------------------------------------ pages
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))
+
+
+def render_text(text: str, where: str = "") -> str:
+    """`text` with every rendered block replaced by what its JSON renders to now."""
+    def sub(m):
+        name = m.group("name")
+        if name not in RENDERERS:
+            raise SystemExit(f"{where}: unknown rendered block {name!r}; known: {', '.join(sorted(RENDERERS))}")
+        return f"{m.group(1)}\n{RENDERERS[name]()}\n\n{m.group(4)}"
+    opened = re.findall(r"<!-- render:([a-z0-9-]+) -->", text)
+    closed = re.findall(r"<!-- /render:([a-z0-9-]+) -->", text)
+    if opened != closed:
+        raise SystemExit(f"{where}: unbalanced render markers: opened {opened}, closed {closed}")
+    return MARK.sub(sub, text)
+
+
+def stale(paths: list[Path] | None = None) -> list[Path]:
+    """The pages whose rendered blocks differ from what the JSON renders to now."""
+    return [p for p in (paths or pages()) if render_text(t := p.read_text(), str(p)) != t]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs from its JSON")
+    args = ap.parse_args(argv)
+    bad = stale()
+    for p in bad:
+        rel = p.relative_to(ROOT) if p.is_relative_to(ROOT) else p
+        if args.check:
+            print(f"{rel}: differs from scripts/results/ (run: scripts/venv.sh python scripts/docs.py)",
+                  file=sys.stderr)
+        else:
+            p.write_text(render_text(p.read_text(), str(p)))
+            print(f"rendered {rel}")
+    return 1 if (args.check and bad) else 0
+
+
+# ---------------------------------------------------------------------------------------- MkDocs hooks
+
+def on_files(files, config):
+    """README.md is the home page; scripts/results/*.png are served at results/."""
+    from mkdocs.structure.files import File
+
+    files.append(File.generated(config, "index.md", abs_src_path=str(ROOT / "README.md")))
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"results/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """Repository-relative links (what GitHub shows) -> the site's locations (see on_files)."""
+    if page.file.src_uri == "index.md":                  # README.md
+        markdown = markdown.replace("](docs/", "](").replace("](scripts/results/", "](results/")
+    return markdown.replace("](../scripts/results/", "](results/")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
