@@ -21,7 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxrl.config import CONFIGS_DIR, DemoConfig, parse_cli
+from jaxrl.runtime import request_cpu_devices
+from models import forward, init, load_hf, logical_axes, save_hf
+from sharding import Layout, ShardingRules, reshard, shardings_for, split_devices
 
 
 def _stage(msg: str):
@@ -34,13 +42,6 @@ def greedy(weights, cfg, prompts, new_tokens: int, mesh):
     The buffer has a fixed length (prompt + new tokens) so the forward compiles once; causal
     attention makes the not-yet-written positions irrelevant to the logits read at `pos - 1`.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from models import forward
-
     prompt_len = len(prompts[0])
     buf = np.zeros((len(prompts), prompt_len + new_tokens), np.int32)
     buf[:, :prompt_len] = prompts
@@ -52,19 +53,10 @@ def greedy(weights, cfg, prompts, new_tokens: int, mesh):
 
 
 def _trees_equal(a, b) -> bool:
-    import jax
-    import numpy as np
-
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def run(cfg: DemoConfig) -> dict:
-    import jax
-    import numpy as np
-
-    from models import init, load_hf, logical_axes, save_hf
-    from sharding import Layout, ShardingRules, reshard, shardings_for, split_devices
-
     model_cfg, dtype = cfg.model.model_config(), cfg.model.jnp_dtype()
     train_layout = cfg.mesh.train.build()
     devices = jax.devices()
@@ -135,8 +127,6 @@ def run(cfg: DemoConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(DemoConfig, argv, default_yaml=CONFIGS_DIR / "demo.yaml", prog="python -m jaxrl.demo", examples=(
         "model.preset=qwen3-0.6b 'mesh.train={fsdp: 8, tp: 1}'", "mesh.rollout_tp=4 mesh.rollout_instances=2 batch=16"))
-    from jaxrl.runtime import request_cpu_devices
-
     # Fake CPU devices so the 8-device layouts run on a laptop; no effect on GPU/TPU backends.
     request_cpu_devices(max(cfg.mesh.train.num_devices, cfg.mesh.rollout_devices))
     return 0 if run(cfg)["ok"] else 1

@@ -18,7 +18,14 @@ import os
 import sys
 from pathlib import Path
 
+import jax
+from tqdm import tqdm
+
 from jaxrl.config import CONFIGS_DIR, GenerateConfig, parse_cli
+from jaxrl.rollout.params import SamplingParams, prompt_seed
+from jaxrl.rollout.service import RolloutService
+from jaxrl.runtime import request_cpu_devices
+from models import init, load_hf, load_tokenizer
 
 
 def read_prompts(path: str, tokenizer, chat: bool, max_len: int | None = None) -> list[tuple[dict, list[int]]]:
@@ -57,14 +64,7 @@ def read_prompts(path: str, tokenizer, chat: bool, max_len: int | None = None) -
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(GenerateConfig, argv, default_yaml=CONFIGS_DIR / "generate.yaml", prog="python -m jaxrl.generate")
-    import jax
-    from tqdm import tqdm
-
-    from models import init, load_hf, load_tokenizer
     e, s = cfg.engine, cfg.sampling
-    from jaxrl.rollout.params import prompt_seed
-    from jaxrl.runtime import request_cpu_devices
-
     request_cpu_devices(e.num_devices)   # fake devices on a CPU host only
     if cfg.model.hf_path is not None and not os.path.isfile(os.path.join(cfg.model.hf_path, "config.json")):
         raise SystemExit(f"model.hf_path={os.path.abspath(cfg.model.hf_path)}: no config.json there (not a Hugging "
@@ -83,11 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         _, weights = load_hf(cfg.model.hf_path, dtype=cfg.model.jnp_dtype())
     else:
         weights = init(jax.random.key(0), model_cfg, cfg.model.jnp_dtype())
-    svc = e.build(model_cfg, weights)
+    svc = RolloutService.from_config(e, model_cfg, weights)
     order = []                                    # (prompt index, sample) of each request id, in input order
     owner = {}
     for i, (row, ids) in enumerate(rows):
-        params = s.build(stop_token_ids=tokenizer.eos_ids, seed=prompt_seed(s.seed, i))
+        params = SamplingParams.from_config(s, stop_token_ids=tokenizer.eos_ids, seed=prompt_seed(s.seed, i))
         for j, rid in enumerate(svc.add(ids, params)):
             owner[rid] = len(order)
             order.append((i, j))

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.monitoring
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -66,8 +67,6 @@ class CompileCounter:
     def __init__(self):
         cls = type(self)
         if not cls._installed:
-            import jax.monitoring
-
             jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
             jax.monitoring.register_event_listener(cls._on_event)
             cls._installed = True

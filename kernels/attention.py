@@ -47,24 +47,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from kernels.attention_bwd import backward
+from kernels.attention_common import (MASK_VALUE, StaticArgs, block_mask, check_shapes, compiler_params,
+                                      cpu_upcast, dot, key_block_range, pad_inputs)
+
 IMPLEMENTATIONS = ("xla", "pallas")
-
-
-def cpu_upcast(*xs):
-    """Operands of a dot that accumulates in float32, made safe for XLA:CPU.
-
-    XLA:CPU has no BF16 x BF16 = F32 (nor F16) dot kernel: it usually upcasts such dots itself, but not
-    every dot in every graph ("Unsupported element type for DotThunk::Execute"). On the CPU backend
-    (decided at trace time) bfloat16/float16 operands are cast to float32 here; every bf16/f16 value and
-    the product of two of them are exact in float32, so this is the same math as bf16 products
-    accumulated in float32. Elsewhere, and for float32 operands, the operands come back unchanged.
-    """
-    if jax.default_backend() != "cpu":
-        return xs
-    return tuple(x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in xs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,50 +79,6 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f.name}={b!r}: want a power of two >= 16 ({self})")
 
 
-@dataclasses.dataclass(frozen=True)
-class StaticArgs:
-    """Everything the kernels need at trace time (hashable: a custom_vjp nondiff argument)."""
-
-    causal: bool
-    window: int | None
-    scale: float
-    interpret: bool
-    T: int
-    S: int
-    D: int
-    block_q: int
-    block_k: int
-    block_q_dkv: int
-    block_k_dkv: int
-    block_q_dq: int
-    block_k_dq: int
-
-    @property
-    def T_pad(self) -> int:
-        return _round_up(self.T, max(self.block_q, self.block_q_dkv, self.block_q_dq))
-
-    @property
-    def S_pad(self) -> int:
-        return _round_up(self.S, max(self.block_k, self.block_k_dkv, self.block_k_dq))
-
-    @property
-    def D_pad(self) -> int:
-        return max(16, pl.next_power_of_2(self.D))
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _check_shapes(q, k, v):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"attention wants q [B,T,H,D], k/v [B,S,K,D]; got q{q.shape} k{k.shape} v{v.shape}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads {q.shape[2]} not a multiple of kv heads {k.shape[2]}: q{q.shape} k{k.shape}")
-
-
 def attention_mask(T: int, S: int, *, q_offset=0, kv_lengths=None, causal=True, window=None,
                    q_segment_ids=None, kv_segment_ids=None, batch: int = 1) -> jax.Array:
     """Boolean [B, T, S] mask of which keys each query may attend to (see module docstring)."""
@@ -157,7 +101,7 @@ def attention_mask(T: int, S: int, *, q_offset=0, kv_lengths=None, causal=True, 
 def attention_reference(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, window=None,
                         q_segment_ids=None, kv_segment_ids=None, scale: float | None = None) -> jax.Array:
     """Plain-jnp attention (scores in float32); returns [B, T, H, D] in q's dtype."""
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
@@ -165,7 +109,7 @@ def attention_reference(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, wi
     s = jnp.einsum("btkgd,bskd->bkgts", *cpu_upcast(qg, k), preferred_element_type=jnp.float32) * scale
     mask = attention_mask(T, S, q_offset=q_offset, kv_lengths=kv_lengths, causal=causal, window=window,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, batch=B)
-    s = jnp.where(mask[:, None, None], s, _MASK_VALUE)
+    s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1)[:, None, None, :, None]
     o = jnp.einsum("bkgts,bskd->btkgd", *cpu_upcast(p.astype(v.dtype), v), preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, D).astype(q.dtype)
@@ -213,42 +157,6 @@ def attention_chunked(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, wind
 
 
 # ----------------------------------------------------------------------------------------------------
-# Pieces shared by the forward and backward kernels.
-
-
-def block_mask(q_pos, k_pos, kv_len, q_seg, kv_seg, st: StaticArgs):
-    """[bq, bk] visibility of keys at `k_pos` [bk] for queries at `q_pos` [bq] (module-doc rules)."""
-    mask = jnp.broadcast_to(k_pos[None, :] < kv_len, (q_pos.shape[0], k_pos.shape[0]))
-    if st.causal:
-        mask &= k_pos[None, :] <= q_pos[:, None]
-    if st.window is not None:
-        mask &= q_pos[:, None] - k_pos[None, :] < st.window
-    if q_seg is not None:
-        mask &= q_seg[:, None] == kv_seg[None, :]
-    return mask
-
-
-def key_block_range(q_first, q_last, kv_len, block_k: int, st: StaticArgs):
-    """[lo, hi) key blocks that queries at positions q_first..q_last can see (non-negative bounds)."""
-    end = jnp.minimum(kv_len, q_last + 1) if st.causal else kv_len
-    hi = lax.div(jnp.maximum(end, 0) + (block_k - 1), block_k)
-    lo = jnp.int32(0)
-    if st.window is not None:
-        lo = lax.div(jnp.maximum(q_first - st.window + 1, 0), block_k)
-    return lo, jnp.maximum(lo, hi)
-
-
-def dot(a, b, *, trans_a=False, trans_b=False):
-    """a @ b with float32 accumulation; transposes are folded into the contraction."""
-    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def compiler_params(num_warps: int = 4, num_stages: int = 2):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Forward kernel: grid (query blocks, B, H); K/V of the head's kv group stay in HBM and are streamed.
 
 
@@ -267,7 +175,7 @@ def _fwd_kernel(offset_ref, kv_len_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_r
         ks = pl.ds(j * bk, bk)
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
         mask = block_mask(q_pos, j * bk + jnp.arange(bk, dtype=jnp.int32), kv_len, q_seg, kv_seg, st)
-        s = jnp.where(mask, dot(q, k_ref[ks, :], trans_b=True) * st.scale, _MASK_VALUE)
+        s = jnp.where(mask, dot(q, k_ref[ks, :], trans_b=True) * st.scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)   # masked -> exactly 0, even in empty rows
         corr = jnp.exp(m - m_new)
@@ -280,24 +188,6 @@ def _fwd_kernel(offset_ref, kv_len_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_r
     seen = l > 0.0
     o_ref[...] = (o * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-
-
-def pad_axis(x, axis: int, n: int):
-    if x.shape[axis] == n:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
-def pad_inputs(q, k, v, q_seg, kv_seg, st: StaticArgs):
-    """Pad T, S, D up to block multiples (zeros; padded keys are masked through kv_len <= S)."""
-    q = pad_axis(pad_axis(q, 1, st.T_pad), 3, st.D_pad)
-    k = pad_axis(pad_axis(k, 1, st.S_pad), 3, st.D_pad)
-    v = pad_axis(pad_axis(v, 1, st.S_pad), 3, st.D_pad)
-    if q_seg is not None:
-        q_seg, kv_seg = pad_axis(q_seg, 1, st.T_pad), pad_axis(kv_seg, 1, st.S_pad)
-    return q, k, v, q_seg, kv_seg
 
 
 def _forward(q, k, v, offset, kv_len, q_seg, kv_seg, st: StaticArgs):
@@ -337,8 +227,6 @@ def _flash_fwd(q, k, v, offset, kv_len, q_seg, kv_seg, st):
 
 
 def _flash_bwd(st, res, do):
-    from kernels.attention_bwd import backward  # attention_bwd imports this module's helpers
-
     dq, dk, dv = backward(res, do, st)
     return dq, dk, dv, None, None, None, None
 
@@ -381,7 +269,7 @@ def attention(q, k, v, *, q_offset=0, kv_lengths=None, causal=True, window=None,
     the Pallas kernel in interpret mode; None means "when the default backend is the CPU". block_sizes:
     tile sizes (default `BlockSizes()`; "xla" reads `block_q_xla`).
     """
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     _check_args(q, k, q_offset, kv_lengths, window, q_segment_ids, kv_segment_ids, implementation, block_sizes)
     kwargs = dict(q_offset=q_offset, kv_lengths=kv_lengths, causal=causal, window=window,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.attention import StaticArgs, block_mask, compiler_params, dot, key_block_range, pad_axis, pad_inputs
+from kernels.attention_common import (StaticArgs, block_mask, compiler_params, dot, key_block_range, pad_axis,
+                                      pad_inputs)
 
 
 def _probs(q, k, q_pos, k_pos, kv_len, q_seg, kv_seg, lse, st: StaticArgs):

@@ -29,12 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .attention import _MASK_VALUE, _check_shapes, attention_mask, cpu_upcast
+from .attention import attention_mask
+from .attention_common import MASK_VALUE, check_shapes, cpu_upcast
 
 
 def _skip(qc, *_):
     B, Tq, K, G, D = qc.shape
-    return (jnp.zeros((B, Tq, K, G, D), jnp.float32), jnp.full((B, K, G, Tq), _MASK_VALUE, jnp.float32),
+    return (jnp.zeros((B, Tq, K, G, D), jnp.float32), jnp.full((B, K, G, Tq), MASK_VALUE, jnp.float32),
             jnp.zeros((B, K, G, Tq), jnp.float32))
 
 
@@ -96,7 +97,7 @@ def _forward(st: _Static, qs, ks, vs, off, kv_len, qsegs, ksegs):
         def pair(qc, kc, vc, q_off, kl, qseg, kseg):
             s = jnp.einsum("btkgd,bskd->bkgts", *cpu_upcast(qc, kc), preferred_element_type=jnp.float32) * st.scale
             mask = _mask(st, q_off, kl, qseg, kseg)
-            s = jnp.where(mask, s, _MASK_VALUE)
+            s = jnp.where(mask, s, MASK_VALUE)
             m = jnp.max(s, axis=-1)
             p = jnp.exp(s - m[..., None]) * mask
             o = jnp.einsum("bkgts,bskd->btkgd", *cpu_upcast(p.astype(vc.dtype), vc), preferred_element_type=jnp.float32)
@@ -144,7 +145,7 @@ def _flash_bwd(st, res, do):
             qf, kf, vf, dof = f32(qc), f32(kc), f32(vc), f32(doc)
             s = jnp.einsum("btkgd,bskd->bkgts", qf, kf) * st.scale
             mask = _mask(st, q_off, kl, qseg, kseg)
-            p = jnp.exp(jnp.where(mask, s, _MASK_VALUE) - lse_c[..., None]) * mask
+            p = jnp.exp(jnp.where(mask, s, MASK_VALUE) - lse_c[..., None]) * mask
             dv = jnp.einsum("bkgts,btkgd->bskd", p, dof)
             ds = p * (jnp.einsum("btkgd,bskd->bkgts", dof, vf) - delta_c[..., None])
             return (jnp.einsum("bkgts,btkgd->bskd", ds, qf) * st.scale, dv,
@@ -182,7 +183,7 @@ def attention_pairs(q, k, v, *, q_offset, kv_lengths=None, causal: bool = True, 
     Queries and keys are padded to whole chunks (padded keys masked by length, padded queries dropped) and
     walked by nested `lax.scan`s; a custom VJP keeps only the output and each query's log-sum-exp and
     recomputes the probabilities of the visible pairs in the backward (FlashAttention-2's scheme)."""
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
     B, T, H, D = q.shape

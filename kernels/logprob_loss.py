@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.attention import cpu_upcast
+from kernels.attention_common import cpu_upcast
 
 TILE_BYTES = 64 << 20
 

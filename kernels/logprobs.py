@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.attention import cpu_upcast
+from kernels.attention_common import cpu_upcast
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf" for the running max (0 * it stays 0)
 

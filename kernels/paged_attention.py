@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.attention import cpu_upcast
+from kernels.attention_common import cpu_upcast
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _MIN_BLOCK_H = 16  # Triton's dot wants at least 16 rows: the query-head group is padded up to this.

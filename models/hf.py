@@ -27,9 +27,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from . import safetensors_io as st
 from .config import ARCHITECTURES, ModelConfig, RopeScaling
+from .tokenizer import save_tokenizer
 from .weights import Layers, Weights, is_spec, vocab_rows, weight_specs
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -285,7 +287,6 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | Non
 
 def _to_host(x: jax.Array) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)
 
@@ -349,8 +350,6 @@ def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, d
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if tokenizer is not None:
-            from .tokenizer import save_tokenizer
-
             save_tokenizer(tokenizer, out)
             eos = list(tokenizer.eos_ids)
             gen = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": tokenizer.pad_id}

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import string
 from pathlib import Path
 from typing import Protocol, Sequence
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as _Tok, decoders, pre_tokenizers
+from tokenizers import models as tok_models
 
 Message = dict[str, str]
 
@@ -28,9 +34,6 @@ class Tokenizer(Protocol):
 
 
 def _render(template: str, messages: list[Message], add_generation_prompt: bool, **special) -> str:
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TemplateError(message)
 
@@ -45,8 +48,6 @@ class HFTokenizer:
     """`tokenizer.json` + `tokenizer_config.json` (chat template, special tokens) from an HF directory."""
 
     def __init__(self, path: str | os.PathLike):
-        from tokenizers import Tokenizer as _Tok
-
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
@@ -135,9 +136,7 @@ class CharTokenizer:
         token, unknown characters -> '?', decoding concatenates) and `tokenizer_config.json` with the chat
         template, so `transformers.AutoTokenizer` and `load_tokenizer(directory)` give the same ids.
         (One difference: the literal text "<eos>" in a prompt is one special token there, 5 characters here.)"""
-        from tokenizers import AddedToken, Regex, Tokenizer as _Tok, decoders, models, pre_tokenizers
-
-        tok = _Tok(models.WordLevel(vocab=dict(self._stoi), unk_token="?"))
+        tok = _Tok(tok_models.WordLevel(vocab=dict(self._stoi), unk_token="?"))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.SPECIAL])
@@ -155,8 +154,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
     """Write `tokenizer`'s HF files into `directory` (an HF tokenizer's own files are copied as they are)."""
-    import shutil
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, HFTokenizer):

@@ -130,9 +130,9 @@ def with_shapes(prof, engine, devices: int = 8):
 def run_to_late(engine, model_cfg, weights, prompts, lens, frac: float):
     """A fresh TP2x4 service generating until `frac` of the requests finished (executables compile lazily:
     only the shapes this generation uses); returns it paused."""
-    from jaxrl.rollout import SamplingParams
+    from jaxrl.rollout import RolloutService, SamplingParams
 
-    svc = engine.build(model_cfg, weights)
+    svc = RolloutService.from_config(engine, model_cfg, weights)
     for k, (p, n) in enumerate(zip(prompts, lens)):
         svc.add(p, SamplingParams(max_new_tokens=int(n), temperature=0.0, stop_token_ids=()), instance=k % 4)
     done = 0
@@ -277,6 +277,7 @@ def main(argv=None):
     from jaxrl.config.generate import EngineSection
     from jaxrl.rollout.adaptive_tp import Predictor, Profile
     from jaxrl.rollout.profile import run_profile
+    from jaxrl.rollout.service import RolloutService
     from models import init
 
     q = args.quick
@@ -307,7 +308,8 @@ def main(argv=None):
         errors = {tp: mape(pred, rows, tp) for tp, rows in trajectories.items()}
         errors_sum = {tp: mape(paper, rows, tp) for tp, rows in trajectories.items()}
     for tp in [t for t in (1, 2, 4, 8) if t not in trajectories]:
-        svc = dataclasses.replace(engine, tp=tp, instances=8 // tp, max_batch=total_batch * tp // 8).build(cfg, weights)
+        svc = RolloutService.from_config(dataclasses.replace(engine, tp=tp, instances=8 // tp,
+                                                             max_batch=total_batch * tp // 8), cfg, weights)
         if not q:
             svc.instances[0].warm()            # the trajectory runs on the first TP group (--quick: lazily)
         # at most 32 requests: a TP8 step of 64 long prompts starves XLA:CPU's 8 collective threads on 2 cores

@@ -136,7 +136,7 @@ def run(args) -> dict:
     from jaxrl.config.train import TrainConfig
     from jaxrl.data import DataLoader
     from jaxrl.rewards.pool import RewardPool
-    from jaxrl.rollout import RolloutService
+    from jaxrl.rollout import RolloutService, SamplingParams
     from jaxrl.rollout.tail_batching import Race, TailBatcher
     from jaxrl.train import rl
     from models import init
@@ -159,7 +159,7 @@ def run(args) -> dict:
     page = 16
     svc = RolloutService(cfg_m, weights, page_size=page, max_batch=max_seqs, max_seq_len=16 + args.max_len,
                          num_pages=max_seqs * -(-(16 + args.max_len) // page) + 1, batch_buckets_per_octave=2)
-    sample = cfg.rollout.build(n=R0, stop_token_ids=())
+    sample = SamplingParams.from_config(cfg.rollout, n=R0, stop_token_ids=())
     t0 = time.perf_counter()
     compiled = svc.warm([sample])
     warm_s = time.perf_counter() - t0

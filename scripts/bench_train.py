@@ -91,6 +91,7 @@ from jaxrl import algos  # noqa: E402
 from jaxrl.config.train import OptimSection, TrainerSection  # noqa: E402
 from jaxrl.runtime import CompileCounter  # noqa: E402
 from jaxrl.train.batch import Sample, pack, pack_rows  # noqa: E402
+from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.train.step import LossSpec, make_logprob_fn, make_train_step  # noqa: E402
 
 from bench_train_torch import TorchStep, hf_tensors, torch_batch, torch_model, torch_tensors, unpack  # noqa: E402
@@ -269,7 +270,7 @@ def agreement(name: str, cfg: ModelConfig, quick: bool) -> list[dict]:
         b = dict(batch)
         if case == "off_policy":
             b["old_logp"] = logp_fn(perturbed(params, jax.random.key(2), OLD_NOISE), batch)
-        tx, _ = OPTIM.build(1)
+        tx, _ = make_optimizer(OPTIM, 1)
         model = torch_model(cfg, params)
         new, _, m = make_train_step(cfg, SPEC, tx, 1)(jax.tree.map(jnp.copy, params), tx.init(params), b, 1.0)
         m = {k: float(v) for k, v in jax.device_get(m).items()}
@@ -325,7 +326,7 @@ def bench_row(name: str, cfg: ModelConfig, shape: BatchShape, args, peak: float 
     params = init(jax.random.key(0), cfg, jnp.float32)
     batch = _device(packed)
     batch["ref_logp"] = make_logprob_fn(cfg, SPEC)(perturbed(params, jax.random.key(1), REF_NOISE), batch)
-    tx, _ = OPTIM.build(1)
+    tx, _ = make_optimizer(OPTIM, 1)
     state = [params, tx.init(params)]
     exe, remat, temp, compile_s = compile_step(cfg, tx, *state, batch, args.mem_budget_gib * 2**30)
     step_t = TorchStep(torch_model(cfg, params), SPEC, OPTIM)          # before the first step donates params

@@ -110,13 +110,14 @@ def predictor_mape(s: Section) -> dict:
 
     import bench_adaptive_tp as bat
     from jaxrl.rollout.adaptive_tp import Predictor, Profile
+    from jaxrl.rollout.service import RolloutService
 
     path = s.shared["out"] / PROFILE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the profile section wrote no profile")
     name, cfg, dtype, weights = _model(s)
     t = SMOKE_TRAJECTORY if s.smoke else TRAJECTORY
-    svc = _engine(s).build(cfg, weights, devices=jax.devices()[:1])
+    svc = RolloutService.from_config(_engine(s), cfg, weights, devices=jax.devices()[:1])
     prompts, lens = bat.requests(t["requests"], 1, cfg.vocab_size, t["median"], t["max_new"])
     rows = bat.repeated(svc, prompts, lens, t["steps"], t["repeats"])
     mape = bat.mape(Predictor(Profile.load(path)), rows, 1)

@@ -70,7 +70,7 @@ def jax_step(s: Section, held: dict) -> dict:
     import bench_train as bt
 
     cfg, params, batch, shape = held["cfg"], held["params"], held["batch"], held["shape"]
-    tx, _ = bt.OPTIM.build(1)
+    tx, _ = bt.make_optimizer(bt.OPTIM, 1)
     state = [params, tx.init(params)]
     limit = (s.env().get("device") or {}).get("memory_bytes")
     budget = 0.5 * limit if limit else 12 * 2**30

@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 from jax.sharding import PartitionSpec
 
 from models.config import PRESETS, preset
@@ -44,8 +45,6 @@ def _spec_json(spec: PartitionSpec, ndim: int) -> list:
 
 def snapshot(preset_name: str, role: str) -> dict:
     """The golden record for one preset and role (what the JSON file holds)."""
-    import jax  # local: keeps `--help` fast
-
     cfg, layout = preset(preset_name), GOLDEN_LAYOUTS[role]
     rules = ShardingRules.for_role(role, cfg, layout)
     axes = logical_axes(cfg)

@@ -109,8 +109,8 @@ def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
     from jaxrl.config.train import TrainConfig
     from jaxrl.train import rl
     from jaxrl.train.batch import FIELDS, INT_FIELDS, Sample
-    from jaxrl.train.optim import init_state
-    from jaxrl.train.step import make_train_step
+    from jaxrl.train.optim import init_state, make_optimizer
+    from jaxrl.train.step import LossSpec, make_train_step
     from jaxrl.train.update import CACHE as UPDATE_CACHE, Updater
     from models import logical_axes
     from sharding import Layout, ShardingRules, shardings_for
@@ -121,8 +121,8 @@ def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
     layout = Layout(fsdp=2)
     mesh = layout.make_mesh(jax.devices()[:2])
     sh = shardings_for(logical_axes(mcfg), mesh, ShardingRules.train(mcfg, layout))
-    spec = cfg.algo.build(temperature=1.0, trainer=cfg.trainer)
-    tx, _ = cfg.optim.build(10)
+    spec = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer)
+    tx, _ = make_optimizer(cfg.optim, 10)
     pack_len, rows = 48, rl.micro_batch_rows(cfg, mesh, 48)
     assert rows == 2
     rng = np.random.default_rng(0)

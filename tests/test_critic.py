@@ -22,6 +22,7 @@ from jaxrl.train.batch import Sample, pack, pack_rows, unpack
 from jaxrl.train.critic import Critic, gae, token_values, value_loss_sum
 from jaxrl.train.distributed import local_rows
 from jaxrl.train.rl import batch_weights
+from jaxrl.train.step import LossSpec
 from models import PRESETS, init, logical_axes
 from sharding import Layout, ShardingRules, shardings_for
 
@@ -198,13 +199,26 @@ def test_critic_update_fits_returns_and_warm_up_compiles_everything(params):
 @pytest.mark.parametrize("changes, key", [
     (dict(trainer={"stream": {"enabled": True}}), "trainer.stream.enabled"),
     (dict(trainer={"micro_batch_tokens": None}), "trainer.micro_batch_tokens"),
-    (dict(trainer={"async_steps": 1}, placement="disaggregated"), "placement"),
 ])
 def test_ppo_refuses_modes_without_a_critic_step(changes, key):
     raw = {"algo": {"advantage": "gae", "group_size": 1}, **changes}
     with pytest.raises(ConfigError) as e:
         decode(TrainConfig, raw)
     assert e.value.key == key and "algo.advantage=gae" in e.value.message
+
+
+def test_ppo_runs_disaggregated_and_async_but_kl_in_reward_not_async():
+    """The critic runs on the train pool (disaggregated: after the rollout, not streamed, since GAE needs the
+    whole batch; one-step-async: its update before the policy's goes to the pool); the KL in the reward is the
+    sampling policy's, which one-step-async no longer holds: refused there, naming the key."""
+    ppo = {"algo": {"advantage": "gae", "group_size": 1}, "placement": "disaggregated"}
+    decode(TrainConfig, ppo)
+    decode(TrainConfig, {**ppo, "trainer": {"async_steps": 1}})
+    decode(TrainConfig, {**ppo, "algo": {**ppo["algo"], "kl_in_reward": True, "kl_coef": 0.1}})
+    with pytest.raises(ConfigError) as e:
+        decode(TrainConfig, {**ppo, "algo": {**ppo["algo"], "kl_in_reward": True, "kl_coef": 0.1},
+                             "trainer": {"async_steps": 1}})
+    assert e.value.key == "trainer.async_steps" and "kl_in_reward" in e.value.message
 
 
 def test_reinforce_pp_kl_in_reward_enters_the_token_rewards():
@@ -231,7 +245,7 @@ def test_kl_in_reward_checks():
     with pytest.raises(ConfigError, match="set algo.kl_coef > 0"):
         decode(TrainConfig, {"algo": {"advantage": "gae", "kl_in_reward": True}})
     cfg = decode(TrainConfig, {"algo": {"advantage": "gae", "kl_in_reward": True, "kl_coef": 0.1}})
-    assert cfg.algo.build(temperature=1.0, trainer=cfg.trainer).kl_coef == 0.0     # not also a loss term
+    assert LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer).kl_coef == 0.0  # not a loss term too
     with pytest.raises(ConfigError, match="kl_in_reward: the KL node needs") as e:
         decode(TrainConfig, {"algo": {"advantage": "reinforce_pp", "kl_in_reward": True, "kl_coef": 0.1},
                              "trainer": {"micro_batch_tokens": None}})

@@ -139,8 +139,8 @@ def test_metrics():
 def test_config_section():
     s = decode(PlannerSection, {"enabled": True, "rise": 1.1, "calm_steps": 3, "max_tp": 4})
     assert s == PlannerSection(enabled=True, rise=1.1, calm_steps=3, max_tp=4)
-    assert PlannerSection().build(8, CFG, 1) is None
-    p = s.build(8, CFG, 2)
+    assert TPPlanner.from_config(PlannerSection(), 8, CFG, 1) is None
+    p = TPPlanner.from_config(s, 8, CFG, 2)
     assert (p.rise, p.calm_steps, p.candidates) == (1.1, 3, [1, 2, 4])
     for bad, key in (({"rise": 0.9}, "rise"), ({"calm_steps": 0}, "calm_steps"), ({"max_tp": 0}, "max_tp"),
                      ({"enabled": 1}, "enabled"), ({"tp_max": 2}, "tp_max")):

@@ -248,14 +248,14 @@ def test_config_sections_validate_and_build():
     from jaxrl.config.rewards import AdaptiveTimeoutSection, SandboxSection
 
     sb = decode(SandboxSection, {"memory_mb": 512, "max_processes": 8, "isolation": "namespaces", "cpu_s": 3})
-    limits = sb.build()
+    limits = SandboxLimits.from_config(sb)
     assert (limits.memory_bytes, limits.max_processes, limits.isolation, limits.cpu_seconds) == \
         (512 << 20, 8, "namespaces", 3)
-    assert SandboxSection().build() == SandboxLimits()
+    assert SandboxLimits.from_config(SandboxSection()) == SandboxLimits()
     at = decode(AdaptiveTimeoutSection, {"lam": 2.0, "t_min": 1, "t_max": 10.0})
-    policy = at.build()
+    policy = AdaptiveTimeouts.from_config(at)
     assert (policy.lam, policy.t_min, policy.t_max, policy.enabled) == (2.0, 1.0, 10.0, True)
-    assert AdaptiveTimeoutSection(enabled=False).build().timeout_for("x") == 30.0
+    assert AdaptiveTimeouts.from_config(AdaptiveTimeoutSection(enabled=False)).timeout_for("x") == 30.0
     with pytest.raises(ConfigError, match="isolation: 'chroot' is not a valid choice"):
         decode(SandboxSection, {"isolation": "chroot"})
     with pytest.raises(ConfigError, match="max_processes: must be >= 1"):

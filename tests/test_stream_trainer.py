@@ -20,6 +20,7 @@ from jaxrl.runtime import CompileCounter
 from jaxrl.train import rl
 from jaxrl.train.batch import Sample
 from jaxrl.train.blockwise import BlockwiseUpdater
+from jaxrl.train.step import LossSpec
 from jaxrl.train.stream import (StreamTrainer, freed_instances, milestone_due, peak_pages, plan_shrink,
                                 projected_lengths)
 from jaxrl.train.update import Updater
@@ -53,7 +54,7 @@ def model(mesh):
     params = init(jax.random.key(0), CFG, shardings=sh)
     ref = jax.tree.map(lambda x: x + 0.01 * jnp.sign(x), params)       # a reference that differs: KL != 0
     cfg = _cfg()
-    spec = cfg.algo.build(temperature=1.0, trainer=cfg.trainer)
+    spec = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer)
     return params, ref, spec, Updater(CFG, spec, TX)
 
 

@@ -8,17 +8,12 @@
 see loading.py for the command-line grammar and base.py for how to add a section.
 """
 
-from pathlib import Path
-
 from .base import ConfigError, Section, check_choice, check_float, check_int, check_str, decode
 from .demo import DemoConfig
 from .generate import EngineSection, GenerateConfig, SamplingSection
 from .train import TrainConfig
-from .loading import from_yaml, from_yaml_file, load_config, parse_cli, to_yaml
+from .loading import CONFIGS_DIR, from_yaml, from_yaml_file, load_config, parse_cli, to_yaml
 from .sections import DTYPES, LayoutSection, MeshSection, ModelSection
-
-# configs/ of a source checkout (the YAML files are not installed as package data).
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 # Every YAML file in configs/ and the config class it is the serialised form of (tests check both ways).
 CONFIG_CLASSES: dict[str, type[Section]] = {

@@ -49,38 +49,3 @@ class AdaptiveTPSection(Section):
         if self.enabled and not self.profile:
             raise ConfigError("profile", "adaptive_tp.enabled needs a profile: run python -m jaxrl.rollout.profile "
                               "(same model and engine) and set engine.adaptive_tp.profile=PATH")
-
-    def build(self, devices: int, model_cfg=None):
-        """The `AdaptiveTP` driver for a rollout pool of `devices` devices (None when disabled); with
-        `model_cfg`, a candidate the rollout sharding rules cannot lay the model out on is refused."""
-        if not self.enabled:
-            return None
-        from pathlib import Path
-
-        from jaxrl.rollout.adaptive_tp import Predictor, Profile, SwitchController
-        from jaxrl.rollout.tp_switch import AdaptiveTP
-
-        path = Path(self.profile).expanduser()
-        if not path.is_file():
-            raise SystemExit(f"engine.adaptive_tp.profile={path.absolute()}: no such file (python -m "
-                             "jaxrl.rollout.profile writes one)")
-        prof = Profile.load(path)
-        if prof.key.get("devices") not in (None, devices):
-            raise SystemExit(f"engine.adaptive_tp.profile={path.absolute()} was measured on a pool of "
-                             f"{prof.key['devices']} devices, this engine has {devices}: re-profile")
-        pred = Predictor(prof)
-        cands = list(self.candidates) or [t for t in pred.layouts if devices % t == 0]
-        if model_cfg is not None:
-            from jaxrl.rollout.planner import rollout_tp_problem
-
-            for t in cands:
-                if (why := rollout_tp_problem(model_cfg, t)) is not None:
-                    raise SystemExit(f"engine.adaptive_tp.candidates: TP {t} cannot shard this model ({why})")
-        try:
-            ctl = SwitchController(pred, cands, devices, kv=self.kv, min_gain=self.min_gain)
-        except ValueError as e:
-            raise SystemExit(f"engine.adaptive_tp: {e}") from None
-        from jaxrl.rollout.precompile import Precompiler
-
-        pre = Precompiler(self.precompile_fraction) if self.precompile and not self.warm else None
-        return AdaptiveTP(ctl, check_every=self.check_every, precompile=pre)

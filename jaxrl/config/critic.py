@@ -41,18 +41,25 @@ class CriticSection(Section):
 
 
 def check_critic(cfg: "TrainConfig") -> None:
-    """algo.advantage=gae needs a critic; the modes below run the policy update where no critic step is
-    wired yet (they stream or move the update), so they are refused rather than silently critic-less.
-    algo.kl_in_reward's KL node runs on the update's fixed micro-batches before the advantages, which a
-    streamed or disaggregated update computes per group during the rollout (without it): refused there."""
+    """algo.advantage=gae needs a critic, whose values and GAE's whitening need the whole batch: the stream
+    trainer (gradients per group during the rollout, before any values exist) and the bucketed fused step are
+    refused. Disaggregated placement runs the critic on the train mesh and, since the advantages need the whole
+    batch, trains after the rollout instead of streaming (`config.train.WHOLE_BATCH_ADVANTAGES`); one-step-async
+    runs the critic's update before the policy's is handed to the train pool. algo.kl_in_reward's KL node
+    runs on the update's fixed micro-batches before the advantages, at the sampling policy's weights: refused
+    with the stream trainer and with one-step-async (the trainer is then one update ahead)."""
     t = cfg.trainer
     if cfg.algo.kl_in_reward:
         for bad, key in ((t.micro_batch_tokens is None, "trainer.micro_batch_tokens"),
-                         (t.stream.enabled, "trainer.stream.enabled"), (cfg.placement != "colocated", "placement")):
+                         (t.stream.enabled, "trainer.stream.enabled")):
             if bad:
-                raise ConfigError(key, "algo.kl_in_reward: the KL node needs the colocated update's fixed "
-                                  "micro-batches before the advantages (set trainer.micro_batch_tokens, no stream "
-                                  "trainer, placement=colocated), or use kl_coef as a loss term")
+                raise ConfigError(key, "algo.kl_in_reward: the KL node needs the update's fixed micro-batches "
+                                  "before the advantages (set trainer.micro_batch_tokens, no stream trainer), or "
+                                  "use kl_coef as a loss term")
+        if t.async_steps:
+            raise ConfigError("trainer.async_steps", "algo.kl_in_reward: the token rewards' KL is the sampling "
+                              "policy's, which one-step-async no longer holds when it scores the batch (the "
+                              "trainer is one update ahead); use kl_coef as a loss term")
     if cfg.algo.advantage != "gae":
         return
     refuse = [
@@ -60,9 +67,6 @@ def check_critic(cfg: "TrainConfig") -> None:
          "the critic trains over fixed-shape micro-batches: set trainer.micro_batch_tokens (e.g. 2048)"),
         (t.stream.enabled, "trainer.stream.enabled",
          "the stream trainer computes gradients during the rollout, before any values exist"),
-        (cfg.placement != "colocated", "placement",
-         "the critic runs on the train mesh of a colocated run only (placement=colocated)"),
-        (t.async_steps > 0, "trainer.async_steps", "one-step-async has no critic step: use async_steps=0"),
     ]
     for bad, key, why in refuse:
         if bad:

@@ -36,16 +36,6 @@ class SamplingSection(Section):
         check_int("n", self.n, minimum=1)
         check_int("seed", self.seed, minimum=0)
 
-    def build(self, *, stop_token_ids=(), seed: int | None = None, n: int | None = None, return_kv: bool = False):
-        """The `SamplingParams` of one request (`seed`/`n` override the section's; `return_kv` exports each
-        completion's K/V on the devices)."""
-        from jaxrl.rollout import SamplingParams
-
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_k=self.top_k or 0, top_p=self.top_p, n=self.n if n is None else n,
-                              seed=self.seed if seed is None else seed, stop_token_ids=tuple(stop_token_ids),
-                              return_kv=return_kv)
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineSection(Section):
@@ -94,23 +84,6 @@ class EngineSection(Section):
     @property
     def num_devices(self) -> int:
         return self.tp * self.instances
-
-    def build(self, model_cfg, weights, *, devices=None, order: str = "fcfs"):
-        """The `jaxrl.rollout.RolloutService` this section describes, holding `weights` (`order`: admission,
-        "lpt" for StreamRL's longest-predicted-first)."""
-        from jaxrl.rollout import RolloutService
-
-        svc = RolloutService(model_cfg, weights, tp=self.tp, instances=self.instances, devices=devices,
-                              page_size=self.page_size, num_pages=self.num_pages,
-                              kv_bytes_per_device=self.kv_bytes_per_device,
-                              kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
-                              max_seq_len=self.max_seq_len, prefix_sharing=self.prefix_sharing,
-                              attention_impl=self.attention_impl, prefill_chunk=self.prefill_chunk,
-                              prefill_tokens=self.prefill_tokens, overlap=self.overlap,
-                              batch_buckets_per_octave=self.batch_buckets_per_octave, page_buckets=self.page_buckets,
-                              order=order)
-        svc.adaptive = self.adaptive_tp.build(self.num_devices, model_cfg)
-        return svc
 
 
 @dataclasses.dataclass(frozen=True)

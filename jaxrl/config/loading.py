@@ -37,6 +37,7 @@ import sys
 import textwrap
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import draccus
@@ -48,6 +49,9 @@ from draccus.wrappers.docstring import HelpOrder, get_attribute_docstring, get_p
 from .base import ConfigError, decode, init_field_types, is_plain_section, join_key, unwrap_optional
 
 T = TypeVar("T")
+
+# configs/ of a source checkout (the YAML files are not installed as package data).
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 _NULLS = ("null", "~")
 
@@ -162,8 +166,6 @@ def undocumented_keys(cls: type) -> list[str]:
 def _config_path(given: str) -> str:
     """`--config FILE` as given, or, when no such file exists here and FILE is relative, the bundled one:
     `--config configs/quickstart.yaml` (or `quickstart.yaml`) works from any directory."""
-    from . import CONFIGS_DIR
-
     if os.path.exists(given) or os.path.isabs(given):
         return given
     for candidate in (CONFIGS_DIR.parent / given, CONFIGS_DIR / given):

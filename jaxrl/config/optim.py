@@ -33,9 +33,3 @@ class OptimSection(Section):
             check_float(name, getattr(self, name))
         if self.clip_norm is not None:
             check_float("clip_norm", self.clip_norm, above=0.0)
-
-    def build(self, total_steps: int):
-        """(optax transformation, learning-rate schedule) for `total_steps` updates (`jaxrl.train.optim`)."""
-        from jaxrl.train.optim import make_optimizer
-
-        return make_optimizer(self, total_steps)

@@ -63,9 +63,6 @@ def check_placement(cfg) -> None:
         raise ConfigError("trainer.kv_source", f"rollout {why}: the rollout's K/V are staged per micro-batch of "
                           "the whole batch, not per streamed group, and one step late (async) they are another "
                           "policy's; use kv_source=recompute")
-    if cfg.algo.advantage == "reinforce_pp":
-        raise ConfigError("algo.advantage", f"reinforce_pp {why}: its advantages are normalised over the whole "
-                          "batch, unknown until the rollout ends; use a group estimator (grpo, dr_grpo, rloo)")
     if t.async_steps:
         why = "with trainer.async_steps=1"
         if (cfg.distributed.num_processes or 1) > 1:
@@ -79,7 +76,3 @@ def check_placement(cfg) -> None:
             key = "engine.adaptive_tp.enabled" if e.adaptive_tp.enabled else "engine.planner.enabled"
             raise ConfigError(key, f"true {why}: the layout changes at the weight sync, which now happens while "
                               "the next rollout runs; use one or the other")
-        if t.backward == "blockwise":
-            raise ConfigError("trainer.backward", f"blockwise {why}: a 3-step run deadlocked in an XLA:CPU "
-                              "all-gather over the train devices (the update's many block steps dispatched from "
-                              "the train thread while the next rollout runs; not yet diagnosed); use full")

@@ -30,13 +30,3 @@ class PlannerSection(Section):
         check_int("calm_steps", self.calm_steps, minimum=1)
         if self.max_tp is not None:
             check_int("max_tp", self.max_tp, minimum=1)
-
-    def build(self, devices: int, model_cfg, start_tp: int, fits=None):
-        """The `jaxrl.rollout.planner.TPPlanner` for a pool of `devices` starting at `start_tp`; None when off.
-        `fits(tp)`: whether a TP-tp instance holds a max_seq_len request (`TPPlanner`)."""
-        if not self.enabled:
-            return None
-        from jaxrl.rollout.planner import TPPlanner
-
-        return TPPlanner(devices, model_cfg, start_tp, rise=float(self.rise), calm_steps=self.calm_steps,
-                         max_tp=self.max_tp, fits=fits)

@@ -36,15 +36,6 @@ class SandboxSection(Section):
         check_choice("isolation", self.isolation, ISOLATIONS)
         check_str("python", self.python, allow_none=True)
 
-    def build(self):
-        """The `jaxrl.rewards.sandbox.SandboxLimits` of these values."""
-        from jaxrl.rewards.sandbox import SandboxLimits
-
-        return SandboxLimits(memory_bytes=self.memory_mb << 20, cpu_seconds=self.cpu_s,
-                             file_bytes=self.file_kb << 10, max_processes=self.max_processes,
-                             open_files=self.open_files, disk_bytes=self.disk_mb << 20, grace_s=float(self.grace_s),
-                             isolation=self.isolation, uid_base=self.uid_base, python=self.python)
-
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveTimeoutSection(Section):
@@ -63,9 +54,3 @@ class AdaptiveTimeoutSection(Section):
         check_float("t_max", self.t_max, above=0.0)
         if self.t_min > self.t_max:
             raise ConfigError("t_min", f"{self.t_min} > t_max={self.t_max}")
-
-    def build(self):
-        """A fresh `jaxrl.rewards.timeouts.AdaptiveTimeouts` (anchors come from the checkpoint)."""
-        from jaxrl.rewards.timeouts import AdaptiveTimeouts
-
-        return AdaptiveTimeouts(self.lam, self.t_min, self.t_max, enabled=self.enabled)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
+
+from models import config_from_hf
 from models.config import PRESETS, ModelConfig, preset
+from sharding import Layout
 
 from .base import Section, check_choice, check_int, check_str
-
-if TYPE_CHECKING:
-    import jax.numpy as jnp
-
-    from sharding import Layout
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -47,10 +45,6 @@ class ModelSection(Section):
         if self.hf_path is None:
             cfg = preset(self.preset)
         else:
-            # Imported here, so that the HF import code (and anything wrong with it) is only touched when
-            # a config actually names a checkpoint.
-            from models import config_from_hf
-
             cfg = config_from_hf(self.hf_path)
         if self.sliding_window is None:
             return cfg
@@ -60,8 +54,6 @@ class ModelSection(Section):
         return dataclasses.replace(cfg, sliding_window=self.sliding_window)
 
     def jnp_dtype(self) -> jnp.dtype:
-        import jax.numpy as jnp
-
         return jnp.dtype(self.dtype)
 
 
@@ -82,8 +74,6 @@ class LayoutSection(Section):
         return self.dp * self.fsdp * self.tp
 
     def build(self) -> Layout:
-        from sharding import Layout
-
         return Layout(dp=self.dp, fsdp=self.fsdp, tp=self.tp)
 
 

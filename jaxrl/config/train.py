@@ -24,6 +24,9 @@ from .critic import CriticSection, check_critic
 # critic (`critic` section, the `ppo` graph).
 ADVANTAGES = tuple(algos.ADVANTAGE_ESTIMATORS)
 KL_IN_REWARD = ("gae", "reinforce_pp")        # estimators whose token rewards carry the KL penalty
+# estimators whose advantages need the whole batch (GAE's whitening over every token, REINFORCE++'s batch
+# normalisation): an update cannot start per group before the rollout ends (streamed gradients)
+WHOLE_BATCH_ADVANTAGES = ("gae", "reinforce_pp")
 AGGREGATIONS = tuple(algos.AGGREGATIONS)
 KL_ESTIMATORS = tuple(algos.KL_ESTIMATORS)
 
@@ -92,18 +95,6 @@ class AlgoSection(Section):
             raise ConfigError("kl_in_reward", "the reward penalty is -kl_coef x KL per token: set algo.kl_coef > 0")
         if self.group_size < 2 and self.advantage in ("grpo", "dr_grpo", "rloo"):
             raise ConfigError("group_size", f"{self.advantage} needs group_size >= 2")
-
-    def build(self, *, temperature: float, trainer: "TrainerSection", kind: str = "rl"):
-        """The static `jaxrl.train.step.LossSpec` of this objective (`kind="sft"`: the warm start's NLL)."""
-        from jaxrl.train.step import LossSpec
-
-        if kind == "sft":
-            return LossSpec(kind="sft", remat=trainer.remat, attention_impl=trainer.attention_impl,
-                            fused_loss=trainer.fused_loss)
-        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                        kl_coef=0.0 if self.kl_in_reward else self.kl_coef, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef,
-                        temperature=temperature, remat=trainer.remat, attention_impl=trainer.attention_impl,
-                        fused_loss=trainer.fused_loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,19 +191,6 @@ class RewardSection(Section):
         check_int("num_workers", self.num_workers, minimum=0)
         check_float("timeout_s", self.timeout_s, above=0.0)
         check_int("max_failed_steps", self.max_failed_steps, minimum=1)
-
-    def build(self):
-        """The `jaxrl.rewards.pool.RewardPool` (worker processes with hard per-item timeouts)."""
-        from jaxrl.rewards.pool import RewardPool
-
-        return RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
-
-    def scheduler(self, pool):
-        """The `jaxrl.rewards.RewardScheduler` over `pool`: per-response scoring with cancellation and, for code
-        rewards, the sandbox limits and adaptive per-test-case timeouts (anchors kept across steps)."""
-        from jaxrl.rewards.scheduler import RewardScheduler
-
-        return RewardScheduler(pool, self.adaptive_timeout.build(), limits=self.sandbox.build())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxrl.rewards.code import code_reward
+
 # Ten letters, not 26: with the same 400 supervised steps a 2-layer, 128-wide char model reached a
 # greedy score of 0.62/0.62/0.60 on copy/reverse/sort over "a".."j" against 0.24/0.35/0.44 over "a".."z"
 # (CPU, packed batches of 64 demonstrations) — a warm start that sometimes succeeds, as RL needs.
@@ -179,8 +181,6 @@ def code_solution(ex: Example) -> str:
 
 def code_score(response: str, answer: str) -> float:
     """The "code" reward (`jaxrl.rewards.code`: the program run on the test cases in the sandbox)."""
-    from jaxrl.rewards.code import code_reward   # lazy: the sandbox is only needed for code rows
-
     return float(code_reward(response, answer))
 
 
@@ -208,6 +208,12 @@ def get_task(name: str) -> Task:
 def score(task: str, response: str, answer: str) -> float:
     """Reward in [0, 1] of `response` (decoded text up to EOS) for a row of built-in task `task`."""
     return get_task(task).score(response, answer)
+
+
+def builtin_reward(response: str, answer: str, task: str) -> float:
+    """The "builtin" reward (`jaxrl.rewards.registry`): `score(task, response, answer)`, in the reward
+    functions' argument order."""
+    return float(score(task, response, answer))
 
 
 def demonstration(ex: Example) -> str:

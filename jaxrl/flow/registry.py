@@ -40,11 +40,6 @@ def register(role: str | None = None, type: str | None = None, *, name: str | No
     return deco
 
 
-def _load_builtins():
-    for module in ("jaxrl.flow.nodes", "jaxrl.flow.ppo"):     # their decorators register the built-in nodes
-        importlib.import_module(module)
-
-
 def import_node(path: str, where: str) -> NodeFn:
     mod_name, sep, attr = path.partition(":")
     if not sep or not mod_name or not attr:
@@ -64,8 +59,8 @@ def import_node(path: str, where: str) -> NodeFn:
 
 def resolve(node: Node, source: str = "<graph>") -> NodeFn:
     """The function a node runs: its `fn` (a registered name or an import path), else its (role, type)'s.
-    Checks that `fn(ctx, data, **options)` binds."""
-    _load_builtins()
+    Checks that `fn(ctx, data, **options)` binds. The built-in nodes are registered when `jaxrl.flow` is
+    imported (`runner` imports `nodes` and `ppo`)."""
     where = f"{source}: node {node.id!r}"
     if node.fn is not None:
         fn = _BY_NAME.get(node.fn) or import_node(node.fn, where)

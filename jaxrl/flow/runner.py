@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from . import nodes, ppo  # noqa: F401  (their @register decorators fill the registry with the built-in nodes)
 from .data import FlowContext, StepData
 from .graph import Graph, GraphError, check, load_graph
 from .planner import Plan, plan

@@ -155,6 +155,11 @@ class RewardPool:
         self._start_failures = 0
         self._logged = 0
 
+    @classmethod
+    def from_config(cls, section) -> RewardPool:
+        """The pool a `jaxrl.config.train.RewardSection` describes (worker processes with hard per-item timeouts)."""
+        return cls(num_workers=section.num_workers, timeout_s=section.timeout_s)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "RewardPool":
         """Start the workers and wait until all are ready (called by `__enter__`, or lazily)."""

@@ -21,10 +21,12 @@ process and in a worker process, and raises a one-line `ValueError` naming the f
 (module not importable, no such function, unknown name) — so a typo stops the run at start-up instead of
 scoring every response 0.
 
-Names are either keys of `REWARD_FNS` or an import path. Workers are separate processes: they get this
-process's `sys.path` (see `jaxrl.rewards.pool`), but registering into `REWARD_FNS` at run time in the
-parent would *not* reach them, so there is deliberately no `register()`; `rewards.registry` is the
-table users extend.
+Names are either keys of `REWARD_FNS` or an import path. "builtin" (the built-in tasks' own scorers) is
+itself an import path, `jaxrl.data.tasks:builtin_reward`, resolved like a user's: `jaxrl.data` sits above
+this package (its opt-in code task is scored by `code.code_reward`), so nothing here imports it.
+Workers are separate processes: they get this process's `sys.path` (see `jaxrl.rewards.pool`), but
+registering into `REWARD_FNS` at run time in the parent would *not* reach them, so there is deliberately
+no `register()`; `rewards.registry` is the table users extend.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import difflib
 import importlib
 from typing import Callable, Iterable, Mapping
 
+from .code import code_reward
 from .math import math_reward
 
 RewardFn = Callable[[str, str, str], float]
@@ -44,23 +47,16 @@ def math_fn(response: str, answer: str, task: str) -> float:
     return math_reward(response, answer)
 
 
-def builtin_fn(response: str, answer: str, task: str) -> float:
-    """Verifier of the built-in synthetic tasks: `jaxrl.data.tasks.score(task, response, answer)`."""
-    from jaxrl.data.tasks import score  # lazy: keeps the worker's import graph small
-
-    return float(score(task, response, answer))
-
-
 def code_fn(response: str, answer: str, task: str, **extra):
     """Code verifier (`jaxrl.rewards.code.code_reward`): the response's program run on the test cases in
     `answer`, in the sandbox. `extra` (from the reward scheduler, per item): `timeouts` per test case,
     sandbox `limits`, `details=True` to return `(score, info)` with each case's run time and verdict."""
-    from .code import code_reward
-
     return code_reward(response, answer, task, **extra)
 
 
-REWARD_FNS: dict[str, RewardFn] = {"math": math_fn, "builtin": builtin_fn, "code": code_fn}
+# a function, or the import path of one ("builtin": the built-in tasks' scorers, `jaxrl.data.tasks.score`)
+REWARD_FNS: dict[str, RewardFn | str] = {"math": math_fn, "builtin": "jaxrl.data.tasks:builtin_reward",
+                                         "code": code_fn}
 
 
 class RewardLookupError(KeyError):
@@ -99,8 +95,9 @@ def reward_names(rows: Iterable[Mapping], fn: str | None = None,
 def _lookup(name: str) -> RewardFn | str:
     """The function for `name`, or one line saying why there is none (imports the module here)."""
     fn = REWARD_FNS.get(name)
-    if fn is not None:
+    if callable(fn):
         return fn
+    name = fn or name          # a registered import path ("builtin") resolves like any other
     if ":" not in name:
         return (f"unknown reward {name!r}; registered: {', '.join(sorted(REWARD_FNS))} "
                 "(or a name in rewards.registry, or a 'package.module:function' import path)")
@@ -160,7 +157,6 @@ def warmup() -> None:
     so they never count against an item's timeout."""
     math_reward("\\boxed{\\frac{1}{2}}", "0.5")
     try:
-        import jaxrl.data.tasks  # noqa: F401
-    except ImportError:  # builtin_fn will then raise per item, scored as a crash
+        importlib.import_module(REWARD_FNS["builtin"].partition(":")[0])   # the built-in tasks (jaxrl.data)
+    except ImportError:  # "builtin" will then fail per item, scored as a crash
         pass
-    from . import code  # noqa: F401  (the "code" reward's imports; its sandbox runs start from scratch)

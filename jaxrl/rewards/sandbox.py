@@ -66,9 +66,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
+import shutil
 import signal
+import stat
+import subprocess
 import sys
+import tempfile
 
 from . import sandbox_supervisor
 
@@ -106,6 +111,14 @@ class SandboxLimits:
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"SandboxLimits.isolation={self.isolation!r}; valid: {', '.join(ISOLATIONS)}")
 
+    @classmethod
+    def from_config(cls, section) -> SandboxLimits:
+        """The limits a `jaxrl.config.rewards.SandboxSection` describes (MiB, KiB -> bytes)."""
+        return cls(memory_bytes=section.memory_mb << 20, cpu_seconds=section.cpu_s,
+                   file_bytes=section.file_kb << 10, max_processes=section.max_processes,
+                   open_files=section.open_files, disk_bytes=section.disk_mb << 20, grace_s=float(section.grace_s),
+                   isolation=section.isolation, uid_base=section.uid_base, python=section.python)
+
 
 @dataclasses.dataclass(frozen=True)
 class ProgramResult:
@@ -135,10 +148,6 @@ def run_tests(source: str, cases, *, limits: SandboxLimits = SandboxLimits(),
     """Run `source` once per `(stdin, timeout_s)` case, each in a fresh directory with its own timeout,
     under one supervisor. Stops after the first case whose status is in `stop_after` (a program that
     hangs or blows a limit on one input is not run on the rest): the result list is then shorter."""
-    import shutil
-    import subprocess
-    import tempfile
-
     cases = [(str(stdin), float(t)) for stdin, t in cases]
     if not cases:
         raise ValueError("run_tests needs at least one (stdin, timeout_s) case")
@@ -218,8 +227,6 @@ def _parse_json(data: bytes):
 
 def _world_usable(path: str) -> bool:
     """Every directory on the way to `path` is searchable, and the file executable, by 'others'."""
-    import stat
-
     real = os.path.realpath(path)
     try:
         parts = real.split(os.sep)
@@ -248,9 +255,6 @@ def _default_python() -> str:
 @functools.cache
 def _sweep_stale_dirs() -> None:
     """Once per process: remove run directories whose creating process is gone (it was killed)."""
-    import shutil
-    import tempfile
-
     root = tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(root) if n.startswith(_PREFIX)]
@@ -264,6 +268,4 @@ def _sweep_stale_dirs() -> None:
 
 @functools.cache
 def _warn_degraded(isolation: str) -> None:
-    import logging
-
     logging.getLogger(__name__).warning("code sandbox without namespaces: %s (see jaxrl.rewards.sandbox)", isolation)

@@ -20,9 +20,12 @@ What this isolates, and what it does not, is stated in `jaxrl.rewards.sandbox`.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import json
 import os
+import resource
+import select
 import signal
 import sys
 import time
@@ -100,8 +103,6 @@ def _unshare(root: bool) -> str:
 
 def _program_child(cfg: dict, k: int, work: str, uid: int, gid: int, root: bool, errw: int, fds) -> None:
     """In the forked child: limits, fds, identity, exec the program. Never returns."""
-    import resource
-
     try:
         lim, t = cfg["limits"], cfg["timeouts"][k]
         if os.getpid() != 1 and cfg["mode"] == "fallback":
@@ -129,8 +130,6 @@ def _program_child(cfg: dict, k: int, work: str, uid: int, gid: int, root: bool,
 
 def _wait(pid: int, timeout: float):
     """(wait status, rusage, timed out): SIGKILL `pid` at the deadline."""
-    import select
-
     deadline = time.monotonic() + timeout
     try:
         fd = os.pidfd_open(pid)
@@ -244,8 +243,6 @@ def _classify(cfg: dict, k: int, status: int, cpu_used: float, timed_out: bool, 
         return "error", "no_network"
     if "Resource temporarily unavailable" in last and ("fork" in tail or "Thread" in tail or exc == "BlockingIOError"):
         return "killed", "processes"
-    import builtins
-
     if isinstance(getattr(builtins, exc, None), type) and issubclass(getattr(builtins, exc), BaseException):
         return "error", exc
     return "error", f"exit {code}"
@@ -299,8 +296,6 @@ def _open_case_files(cfg: dict) -> list[tuple[int, int, int]]:
     """(stdin, stdout, stderr) descriptors of every case, opened before the filesystem turns read-only
     (and so before the program could touch the run's directory). Close-on-exec: the program of case k
     gets only its own three, as 0, 1, 2."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     files = []

@@ -123,6 +123,14 @@ class RewardScheduler:
         self._counts: collections.Counter = collections.Counter()
         self._given: list[float] = []                         # timeouts handed out since metrics()
 
+    @classmethod
+    def from_config(cls, section, pool: RewardPool) -> RewardScheduler:
+        """The scheduler over `pool` a `jaxrl.config.train.RewardSection` describes: per-response scoring with
+        cancellation and, for code rewards, its sandbox limits and adaptive per-test-case timeouts (anchors
+        kept across steps)."""
+        return cls(pool, AdaptiveTimeouts.from_config(section.adaptive_timeout),
+                   limits=SandboxLimits.from_config(section.sandbox))
+
     # ------------------------------------------------------------------ submit / cancel
     def submit(self, key: Hashable, item: Sequence, *, group: Hashable | None = None,
                group_size: int | None = None) -> None:

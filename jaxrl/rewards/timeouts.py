@@ -35,6 +35,11 @@ class AdaptiveTimeouts:
         self.lam, self.t_min, self.t_max, self.enabled = float(lam), float(t_min), float(t_max), bool(enabled)
         self.anchors: dict[str, float] = {}
 
+    @classmethod
+    def from_config(cls, section) -> AdaptiveTimeouts:
+        """A fresh policy from a `jaxrl.config.rewards.AdaptiveTimeoutSection` (anchors come from the checkpoint)."""
+        return cls(section.lam, section.t_min, section.t_max, enabled=section.enabled)
+
     def timeout_for(self, case: str) -> float:
         """min(max(t_min, lam * anchor), t_max); t_max without an anchor (or when disabled)."""
         anchor = self.anchors.get(case)

@@ -38,6 +38,18 @@ def _axes(entry, mesh):
     return names or None
 
 
+def canonical(sharding):
+    """One NamedSharding per placement: without the mesh axes of size 1 and trailing Nones (P(None, 'tp')
+    and P(None, 'tp', None) are one sharding, so are P('fsdp') and P() when fsdp has size 1), so that a
+    sharding passed as a static argument keys the cache as `_signature` keys an input's. Others: as given."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = [_axes(e, sharding.mesh) for e in sharding.spec]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
     sig = []

@@ -35,7 +35,7 @@ import numpy as np
 from models import ModelConfig
 from sharding import Layout, ShardingRules
 
-from .executor import Executor
+from .executor import CACHE, Executor
 from .kv_store import KVStore, SequenceKV
 from .scheduler import Scheduler, Sequence, SequenceState
 from .shapes import ShapeBuckets
@@ -113,8 +113,6 @@ class Instance:
         for each sampler variant in `truncate`, and with `export` the K/V export of every page-count bucket
         (`return_kv`); returns how many executables that compiled (0 when they are all cached; exports are
         not counted: they are plain jitted functions). Afterwards no rollout on this instance compiles."""
-        from .executor import CACHE
-
         before = CACHE.compiles
         if export:
             self.kv.warm_export(self.shapes.max_pages)

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import ModelConfig, kv_cache_spec
-from sharding import Layout, ShardingRules, shardings_for
+from models import ModelConfig, abstract, kv_cache_spec, logical_axes
+from sharding import Layout, ShardingRules, padded_vocab_for, shardings_for
 
 DEFAULT_MEMORY_FRACTION = 0.5
 
@@ -88,9 +88,6 @@ def layout_pages(cfg: ModelConfig, devices, *, page_size: int, budget: int, dtyp
     weights + KV, counted on abstract weights laid out by the rollout rules (nothing is allocated): what the
     planner checks a layout by before choosing it, and the simulator sizes its pools by. Raises ValueError
     when the weight shard leaves no room, as `instance_pages` does."""
-    from models import abstract, logical_axes
-    from sharding import padded_vocab_for
-
     layout = Layout(tp=len(devices))
     mesh = layout.make_mesh(list(devices))
     pad = padded_vocab_for(cfg, layout)

@@ -35,11 +35,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 
 import jax
 
-from sharding import Layout, padded_vocab_for, reshard_reusing, tree_reuse_bytes
+from sharding import Layout, padded_vocab_for, reshard_reusing, tp_groups, tree_reuse_bytes
 
 from .kv_store import KVStore, move_bytes, move_pages
 from .scheduler import SequenceState
@@ -226,6 +226,20 @@ def _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe):
         probe()
     _delete(src_w, external | held)
     return new, weight_bytes, weight_s
+
+
+def plan_layout(tp: int | Seq[int], instances: int | None, devices: list) -> list[list]:
+    """Device groups of the instances: `tp` x `instances` (uniform) or one group per entry of a tp list,
+    contiguous blocks from the start of `devices`, each in `sharding.nested_order` (so that a merge to a
+    larger TP finds every device's new shard inside the one it holds: `sharding.reuse`)."""
+    tps = [int(tp)] * (instances or 1) if isinstance(tp, int) else [int(t) for t in tp]
+    if isinstance(tp, int) is False and instances not in (None, len(tps)):
+        raise ValueError(f"tp={list(tps)} lists {len(tps)} instances but instances={instances}")
+    if not tps or min(tps) < 1:
+        raise ValueError(f"tp={tp!r}: need at least one instance of tp >= 1")
+    if sum(tps) > len(devices):
+        raise ValueError(f"instances of tp {tps} need {sum(tps)} devices, have {len(devices)}")
+    return tp_groups(devices, tps)
 
 
 def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int | None,

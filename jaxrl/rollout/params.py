@@ -4,6 +4,7 @@ and the on-device sampler share one definition."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,19 @@ class SamplingParams:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
+    @classmethod
+    def from_config(cls, section, *, stop_token_ids=(), seed: int | None = None, n: int | None = None,
+                    return_kv: bool = False) -> SamplingParams:
+        """One request's parameters from a `jaxrl.config.generate.SamplingSection` (`seed`/`n` override the
+        section's; `return_kv` exports each completion's K/V on the devices)."""
+        return cls(max_new_tokens=section.max_new_tokens, temperature=section.temperature,
+                   top_k=section.top_k or 0, top_p=section.top_p, n=section.n if n is None else n,
+                   seed=section.seed if seed is None else seed, stop_token_ids=tuple(stop_token_ids),
+                   return_kv=return_kv)
+
 
 def prompt_seed(seed: int, index: int) -> int:
     """The sampling seed of prompt `index` in a run seeded `seed`: a hash of both (32 bits), so every prompt
     has its own stream, and a prompt's samples do not depend on the other prompts of the run."""
-    import hashlib
-
     digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")

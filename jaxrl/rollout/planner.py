@@ -168,6 +168,16 @@ class TPPlanner:
             raise ValueError(f"round_type={round_type!r} must be a non-empty str")
         return self.rounds.setdefault(round_type, _Round(self.start_tp))
 
+    @classmethod
+    def from_config(cls, section, devices: int, cfg: ModelConfig, start_tp: int,
+                    fits: Callable[[int], bool] | None = None) -> TPPlanner | None:
+        """The planner a `jaxrl.config.planner.PlannerSection` describes for a pool of `devices` starting at
+        `start_tp`; None when it is off. `fits`: as for `TPPlanner`."""
+        if not section.enabled:
+            return None
+        return cls(devices, cfg, start_tp, rise=float(section.rise), calm_steps=section.calm_steps,
+                   max_tp=section.max_tp, fits=fits)
+
     def layout_for(self, round_type: str) -> RolloutLayout:
         """The layout the next step of `round_type` should run at (`start_tp` for a round type not seen yet)."""
         tp = self.rounds[round_type].tp if round_type in self.rounds else self.start_tp

@@ -34,6 +34,7 @@ from sharding import Layout, ShardingRules, padded_vocab_for, shardings_for
 from . import model_step
 from .executor import CACHE, ExecutableCache, decode_inputs, padding_batch
 from .memory import instance_pages
+from .migration import plan_layout
 from .shapes import ShapeBuckets
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,6 @@ def _sds(shape, dtype, sharding):
 def target_plan(svc, tp: int) -> list[dict]:
     """Per instance of a uniform TP-`tp` layout of `svc`'s pool, as `svc.relayout(tp)` would build it: the
     mesh, the abstract weights and KV pool (with their shardings), and the step shapes."""
-    from .service import plan_layout
-
     groups = plan_layout(tp, len(svc.devices) // tp, svc.devices)
     max_batch = max(1, sum(i.max_batch for i in svc.instances) // len(groups))
     cfg, kw = svc.cfg, svc.instance_kw

@@ -43,9 +43,19 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from tqdm import tqdm
+
+from jaxrl.config import parse_cli
+from jaxrl.config.profile import ProfileConfig
+from jaxrl.runtime import request_cpu_devices
+from models import init, load_hf
 
 from .adaptive_tp import LayoutProfile, Live, Predictor, Profile, SwitchController, by_group
+from .params import SamplingParams
+from .planner import candidate_tps
+from .service import RolloutService
 
 
 def batch_grid(max_batch: int, n: int = 10) -> list[int]:
@@ -100,8 +110,6 @@ def _timed_steps(svc, decode_steps: int, timer) -> float:
 def _start(svc, rng, batch: int, length: int, decode_steps: int, vocab: int, instances) -> list[int]:
     """`batch` random prompts of `length` tokens on each of `instances`, stepped until every one is running
     with its first token."""
-    from jaxrl.rollout import SamplingParams
-
     params = SamplingParams(max_new_tokens=decode_steps + 2, temperature=0.0, stop_token_ids=())
     rids = [svc.add(p, params, instance=i)[0] for i in instances for p in _prompts(rng, batch, length, vocab)]
     while True:
@@ -220,8 +228,6 @@ def measure_switches(svc, tps: list[int], prof_layers: int, kv_bytes_per_token_l
                      live_batch: int, live_len: int) -> tuple[dict[str, float], float]:
     """Weight reshard + rebuild seconds per (src, dst) with nothing live, and the migration bandwidth (Eq. 2
     calibrated on a relayout that moves `live_batch` sequences of `live_len` tokens)."""
-    from jaxrl.rollout import SamplingParams
-
     reshard = {}
     order = tps + tps[:1]
     for src in tps:
@@ -260,11 +266,6 @@ def run_profile(model_cfg, weights, engine, *, candidates=None, batches: int = 1
     page budget and shapes) and the switches between them. `grid`: "paper" (`batches` geometric batch sizes
     x `contexts`) or "shapes" (the XLA decode path's own padded shapes: `shape_grid`); `passes`: times the
     grid is measured (each point's median)."""
-    import jax
-    from tqdm import tqdm
-
-    from .planner import candidate_tps
-
     if grid not in ("paper", "shapes"):
         raise ValueError(f"grid must be 'paper' or 'shapes', got {grid!r}")
     devices = engine.num_devices
@@ -276,8 +277,9 @@ def run_profile(model_cfg, weights, engine, *, candidates=None, batches: int = 1
     layouts = {}
     with tqdm(total=0, desc="profile", unit="pt", file=sys.stderr, disable=not progress) as bar:
         for tp in tps:
-            svc = dataclasses.replace(engine, tp=tp, instances=devices // tp, max_batch=max_batch[tp],
-                                      ).build(model_cfg, weights, devices=jax.devices()[:devices])
+            svc = RolloutService.from_config(dataclasses.replace(engine, tp=tp, instances=devices // tp,
+                                                                 max_batch=max_batch[tp]),
+                                             model_cfg, weights, devices=jax.devices()[:devices])
             bs, cs = batch_grid(max_batch[tp], batches), ctx
             if grid == "shapes" and svc.instance_kw["attention_impl"] == "xla":
                 bs, cs = shape_grid(svc.instances[0].shapes, decode_steps)
@@ -288,8 +290,9 @@ def run_profile(model_cfg, weights, engine, *, candidates=None, batches: int = 1
             del svc
     itemsize = np.dtype(jax.tree.leaves(weights)[0].dtype).itemsize
     kv_tok = 2 * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
-    svc = dataclasses.replace(engine, tp=tps[0], instances=devices // tps[0], max_batch=max_batch[tps[0]],
-                              ).build(model_cfg, weights, devices=jax.devices()[:devices])
+    svc = RolloutService.from_config(dataclasses.replace(engine, tp=tps[0], instances=devices // tps[0],
+                                                         max_batch=max_batch[tps[0]]),
+                                     model_cfg, weights, devices=jax.devices()[:devices])
     live_len = max(1, min(ctx[len(ctx) // 2], engine.max_seq_len - 10))     # + 8 new tokens fit max_seq_len
     live_batch = max(1, min(total_batch, token_cap(svc) // (live_len + 10)))
     reshard, bandwidth = measure_switches(svc, tps, model_cfg.num_layers, kv_tok, model_cfg.vocab_size, rng,
@@ -337,15 +340,7 @@ def plot(prof: Profile, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from jaxrl.config import parse_cli
-    from jaxrl.config.profile import ProfileConfig
-
     cfg = parse_cli(ProfileConfig, argv, prog="python -m jaxrl.rollout.profile")
-    import jax
-
-    from jaxrl.runtime import request_cpu_devices
-    from models import init, load_hf
-
     e = cfg.engine
     request_cpu_devices(e.num_devices)
     model_cfg = cfg.model.model_config()

@@ -37,31 +37,19 @@ import jax
 
 from jaxrl.runtime import enable_compilation_cache
 from models import ModelConfig, Weights, fit_vocab, logical_axes, vocab_rows
-from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups, tp_groups
+from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups
 
 from . import migration
 from .instance import Completion, Instance
 from .memory import instance_pages
+from .migration import plan_layout
 from .params import SamplingParams
 from .scheduler import Sequence, SequenceState
+from .tp_switch import AdaptiveTP
 
 ROUTERS = ("least_loaded", "round_robin")
 ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (interpret mode on the CPU)
 KV_MODES = ("migrate", "recompute")
-
-
-def plan_layout(tp: int | Seq[int], instances: int | None, devices: list) -> list[list]:
-    """Device groups of the instances: `tp` x `instances` (uniform) or one group per entry of a tp list,
-    contiguous blocks from the start of `devices`, each in `sharding.nested_order` (so that a merge to a
-    larger TP finds every device's new shard inside the one it holds: `sharding.reuse`)."""
-    tps = [int(tp)] * (instances or 1) if isinstance(tp, int) else [int(t) for t in tp]
-    if isinstance(tp, int) is False and instances not in (None, len(tps)):
-        raise ValueError(f"tp={list(tps)} lists {len(tps)} instances but instances={instances}")
-    if not tps or min(tps) < 1:
-        raise ValueError(f"tp={tp!r}: need at least one instance of tp >= 1")
-    if sum(tps) > len(devices):
-        raise ValueError(f"instances of tp {tps} need {sum(tps)} devices, have {len(devices)}")
-    return tp_groups(devices, tps)
 
 
 class RolloutService:
@@ -105,6 +93,23 @@ class RolloutService:
         self.clock: Callable[[], float] = time.perf_counter         # what `observers` are given (a simulator's: virtual)
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, section, model_cfg: ModelConfig, weights: Weights, *, devices=None,
+                    order: str = "fcfs") -> RolloutService:
+        """The service a `jaxrl.config.generate.EngineSection` describes, holding `weights` (`order`: admission,
+        "lpt" for StreamRL's longest-predicted-first), with its PAT driver (`AdaptiveTP.from_config`)."""
+        svc = cls(model_cfg, weights, tp=section.tp, instances=section.instances, devices=devices,
+                  page_size=section.page_size, num_pages=section.num_pages,
+                  kv_bytes_per_device=section.kv_bytes_per_device,
+                  kv_memory_fraction=section.kv_memory_fraction, max_batch=section.max_batch,
+                  max_seq_len=section.max_seq_len, prefix_sharing=section.prefix_sharing,
+                  attention_impl=section.attention_impl, prefill_chunk=section.prefill_chunk,
+                  prefill_tokens=section.prefill_tokens, overlap=section.overlap,
+                  batch_buckets_per_octave=section.batch_buckets_per_octave, page_buckets=section.page_buckets,
+                  order=order)
+        svc.adaptive = AdaptiveTP.from_config(section.adaptive_tp, section.num_devices, model_cfg)
+        return svc
+
     def weight_shardings(self, mesh):
         """Rollout shardings of the weights on `mesh`, with the vocabulary padded to a multiple of its tp."""
         layout = Layout(tp=mesh.shape["tp"])

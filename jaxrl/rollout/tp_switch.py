@@ -26,10 +26,13 @@ its compile cost then counts as 0.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
-from .adaptive_tp import Live, SwitchController, SwitchDecision, merge_and_redistribute
+from .adaptive_tp import Live, Predictor, Profile, SwitchController, SwitchDecision, merge_and_redistribute
+from .planner import apply, rollout_tp_problem
 from .precompile import Precompiler
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,34 @@ class AdaptiveTP:
         self._steps = 0
         self._open: list[SwitchDecision] = []  # decisions of the running generation, awaiting `remaining_s`
         self._reported = 0
+
+    @classmethod
+    def from_config(cls, section, devices: int, model_cfg=None) -> AdaptiveTP | None:
+        """The driver a `jaxrl.config.adaptive_tp.AdaptiveTPSection` describes for a rollout pool of `devices`
+        devices (None when disabled); with `model_cfg`, a candidate the rollout sharding rules cannot lay the
+        model out on is refused."""
+        if not section.enabled:
+            return None
+        path = Path(section.profile).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"engine.adaptive_tp.profile={path.absolute()}: no such file (python -m "
+                             "jaxrl.rollout.profile writes one)")
+        prof = Profile.load(path)
+        if prof.key.get("devices") not in (None, devices):
+            raise SystemExit(f"engine.adaptive_tp.profile={path.absolute()} was measured on a pool of "
+                             f"{prof.key['devices']} devices, this engine has {devices}: re-profile")
+        pred = Predictor(prof)
+        cands = list(section.candidates) or [t for t in pred.layouts if devices % t == 0]
+        if model_cfg is not None:
+            for t in cands:
+                if (why := rollout_tp_problem(model_cfg, t)) is not None:
+                    raise SystemExit(f"engine.adaptive_tp.candidates: TP {t} cannot shard this model ({why})")
+        try:
+            ctl = SwitchController(pred, cands, devices, kv=section.kv, min_gain=section.min_gain)
+        except ValueError as e:
+            raise SystemExit(f"engine.adaptive_tp: {e}") from None
+        pre = Precompiler(section.precompile_fraction) if section.precompile and not section.warm else None
+        return cls(ctl, check_every=section.check_every, precompile=pre)
 
     def warm(self, tp: int, live: list[Live] | None = None) -> bool:
         """Whether a switch to `tp` compiles no decode step: a layout this process has run, or one whose small
@@ -135,8 +166,6 @@ class AdaptiveTP:
     def home(self, svc, layout, weights=None, *, warm=None):
         """Between steps: bring the service back to `layout` (a `planner.RolloutLayout`: the step's starting
         one, or the planner's), syncing `weights` on the way (`planner.apply`)."""
-        from .planner import apply
-
         self._close()
         self._steps = 0
         return apply(svc, layout, weights, warm=warm)
@@ -152,8 +181,6 @@ class AdaptiveTP:
     def step_metrics(self, step: int, path=None) -> dict:
         """The metrics of the decisions since the last call; their records (with `rl_step`) are appended to
         the JSONL file `path` when given (the train run's `pat_decisions.jsonl`)."""
-        import json
-
         new, self._reported = self.decisions[self._reported:], len(self.decisions)
         if path is not None and new:
             with open(path, "a") as f:

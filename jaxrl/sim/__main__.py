@@ -19,8 +19,13 @@ import sys
 from pathlib import Path
 
 from jaxrl.config import CONFIGS_DIR, parse_cli
+from jaxrl.config.base import ConfigError
+from jaxrl.config.loading import to_yaml
+from jaxrl.runtime import request_cpu_devices
 
+from . import report
 from .config import SimConfig
+from .simulate import apply_sweep, simulate
 
 
 def _out_flag(argv: list[str]) -> tuple[list[str], bool]:
@@ -44,14 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, resume = _out_flag(list(sys.argv[1:] if argv is None else argv))
     cfg = parse_cli(SimConfig, argv, default_yaml=CONFIGS_DIR / "sim" / "default.yaml", prog="python -m jaxrl.sim",
                     flags="[--out DIR] [--resume]")
-    from jaxrl.runtime import request_cpu_devices
-
     request_cpu_devices(8)          # `sharding.reuse` counts a relayout's weight bytes over one node's devices
-    from jaxrl.config.base import ConfigError
-
-    from . import report
-    from .simulate import apply_sweep, simulate
-
     out = Path(cfg.out).absolute()
     title = f"{cfg.model}, {cfg.cluster.gpus} x {cfg.cluster.gpu if cfg.cluster.profile is None else 'profiled'}"
     try:
@@ -60,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
             report.write(result, out, title=title)
             print(report.table(result["rows"]), end="")
         else:
-            from jaxrl.config.loading import to_yaml
-
             points = []
             for value in cfg.values:
                 point_cfg = apply_sweep(cfg, value)

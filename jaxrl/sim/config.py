@@ -30,9 +30,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.config.base import ConfigError, Section, check_choice, check_float, check_int
+from jaxrl.config.sections import ModelSection
 from jaxrl.config.stream import StreamSection
-from jaxrl.config.train import AlgoSection
+from jaxrl.config.train import AlgoSection, DataSection, TrainConfig, TrainerSection
 from jaxrl.config.train_rollout import TrainEngineSection, TrainSamplingSection
+from models import PRESETS as MODEL_PRESETS
+
+from .hardware import PRESETS as GPU_PRESETS
+from .workload import Workload
 
 MECHANISMS = ("pat", "tail_batching", "planner", "async_reward", "stream_trainer", "skew", "disaggregated",
               "async_steps", "multi_controller")
@@ -90,8 +95,7 @@ class ClusterSection(Section):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.profile is None:
-            from .hardware import PRESETS
-            check_choice("gpu", self.gpu, PRESETS)
+            check_choice("gpu", self.gpu, GPU_PRESETS)
 
     @property
     def dtype_bytes(self) -> int:
@@ -136,8 +140,6 @@ class WorkloadSection(Section):
                 raise ConfigError(name, f"must be in [0, 1], got {v!r}")
 
     def build(self, max_new_tokens: int):
-        from .workload import Workload
-
         common = dict(reward_s=self.reward_s, code=self.code, code_median_s=self.code_median_s, hang=self.hang,
                       seed=self.seed, pass_beta=(self.pass_a, self.pass_b), code_fraction=self.code_fraction,
                       cap_fraction=self.cap_fraction)
@@ -183,15 +185,11 @@ class SimConfig(Section):
             raise ConfigError("ranker_noise", f"must be >= 0, got {self.ranker_noise}")
         if self.sweep is not None and not self.values:
             raise ConfigError("values", f"sweep={self.sweep} needs values")
-        from models import PRESETS
-        check_choice("model", self.model, PRESETS)
+        check_choice("model", self.model, MODEL_PRESETS)
 
 
 def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | None, prompt_len: int):
     """The `TrainConfig` of a row (its checks refuse what a training run refuses)."""
-    from jaxrl.config.sections import ModelSection
-    from jaxrl.config.train import DataSection, TrainConfig, TrainerSection
-
     m = set(mechanisms)
     e, r = cfg.engine, cfg.rollout
     if gen_gpus % e.tp:

@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import numpy as np
 
 from jaxrl.rollout.adaptive_tp import Predictor, Profile
-from models import ModelConfig
+from jaxrl.rollout.memory import layout_pages
+from models import ModelConfig, abstract, logical_axes
+from sharding import Layout, ShardingRules, padded_vocab_for, shardings_for, tp_groups, tree_reuse_bytes
 
 from .hardware import GPU
 
@@ -63,12 +66,6 @@ def train_flops(cfg: ModelConfig, tokens: float, attended: float) -> float:
 def _reuse_bytes(cfg: ModelConfig, dtype: str, src: int, dst: int, devices: int) -> int | None:
     """Bytes `sharding.reuse` moves for a relayout tp src -> dst over `devices` devices (None when JAX has
     fewer devices)."""
-    import jax
-
-    from sharding import Layout, ShardingRules, padded_vocab_for, shardings_for, tp_groups
-    from models import abstract, logical_axes
-    from sharding import tree_reuse_bytes
-
     if jax.device_count() < devices:
         return None
     pool = jax.devices()[:devices]
@@ -87,10 +84,6 @@ def _reuse_bytes(cfg: ModelConfig, dtype: str, src: int, dst: int, devices: int)
 def _engine_pages(cfg: ModelConfig, tp: int, page_size: int, budget: int, dtype: str) -> int | None:
     """`rollout.memory.layout_pages` on this process's first `tp` devices (None when it has fewer, or when the
     weights leave no room): the engine's exact count."""
-    import jax
-
-    from jaxrl.rollout.memory import layout_pages
-
     if jax.device_count() < tp:
         return None
     try:

@@ -32,6 +32,7 @@ cost model's, whatever the host does meanwhile.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence as Seq
 
 import numpy as np
@@ -156,7 +157,6 @@ class SimInstance(Instance):
         self.overlap = overlap
         self.external: set[int] = set()
         self.busy_s = 0.0
-        from collections import deque
         self._inflight = deque()
         self._dispatched = False
         self._ready = []

@@ -6,10 +6,10 @@ simulated reward pool (`rewards.SimRewardPool`):
 * the rollout is `rl.rollout_and_score` (rewards scored as responses finish: `async_reward`) or that plus
   `rl.score_batch` after it (the baseline), inside `rounds.tail_round` with tail batching (its
   `TailBatcher` plans the round, its `Race` decides what is kept and aborted);
-* PAT is `engine.adaptive_tp.build(...)` — the trainer's `AdaptiveTP` and `SwitchController` — attached to
-  the service, switching it mid-generation; between steps `AdaptiveTP.home` / `planner.apply` bring it
-  back to the step's layout (RollPacker's `TPPlanner.decide` picks it per round type from the step's
-  preemptions, as `Trainer.collect` does);
+* PAT is `AdaptiveTP.from_config(engine.adaptive_tp, ...)` — the trainer's `AdaptiveTP` and
+  `SwitchController` — attached to the service, switching it mid-generation; between steps
+  `AdaptiveTP.home` / `planner.apply` bring it back to the step's layout (RollPacker's `TPPlanner.decide`
+  picks it per round type from the step's preemptions, as `Trainer.collect` does);
 * the stream trainer is `stream.milestone_due`, `stream.shrink_plan` and `stream.take_shrink` after every
   engine step of a round without a race (as `StreamTrainer.on_progress`); the freed GPUs then compute the
   gradients of groups as they complete;
@@ -44,10 +44,12 @@ from jaxrl.rewards.timeouts import AdaptiveTimeouts
 from jaxrl.rollout import skew
 from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layout, total_preemptions
 from jaxrl.rollout.tail_batching import TailBatcher
+from jaxrl.rollout.tp_switch import AdaptiveTP
 from jaxrl.train import rl
 from jaxrl.train.pipeline import Timeline
 from jaxrl.train.rounds import tail_round
 from jaxrl.train.stream import milestone_due, shrink_plan, take_shrink
+from models import preset
 
 from .config import SimConfig, mechanisms_of, train_config
 from .cost import attended_pairs
@@ -102,8 +104,6 @@ class RowSim:
             self.gen_gpus, self.train_gpus = split
         else:
             self.gen_gpus = self.train_gpus = G
-        from models import preset
-
         self.model = preset(cfg.model)
         self.tc = train_config(cfg, self.m, gen_gpus=self.gen_gpus, profile=profile,
                                prompt_len=max(workload.prompt_tokens(i) for i in range(min(workload.prompts, 4096))))
@@ -121,7 +121,8 @@ class RowSim:
             prefix_sharing=e.prefix_sharing, overlap=e.overlap, batch_buckets_per_octave=e.batch_buckets_per_octave,
             page_buckets=e.page_buckets, order=order, timeline=self.timeline, host_step_s=cfg.cluster.host_step_s)
         self.svc.observers.append(self._engine_step)
-        self.svc.adaptive = e.adaptive_tp.build(self.gen_gpus, self.model) if "pat" in self.m else None
+        self.svc.adaptive = (AdaptiveTP.from_config(e.adaptive_tp, self.gen_gpus, self.model) if "pat" in self.m
+                             else None)
         if self.svc.adaptive is not None:       # adaptive_tp.warm: the trainer's warm-up compiled every candidate
             self.svc.adaptive.seen.update(self.svc.adaptive.controller.candidates)
         a = tc.algo

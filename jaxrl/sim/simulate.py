@@ -13,27 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from jaxrl.config.base import ConfigError
+from jaxrl.config.loading import load_config, to_yaml
+from jaxrl.rollout.adaptive_tp import Profile
 from jaxrl.train.balance import best_split, scaled
+from models import preset
 
 from .config import SimConfig, mechanisms_of
+from .cost import AnalyticCost, ProfileCost, StageRates
+from .hardware import gpu
+from .profile import simulated_profile
 from .records import busy, summarize
 from .run import RowSim
 
 
 def build_cost(cfg: SimConfig, model):
-    from .cost import AnalyticCost, ProfileCost, StageRates
-    from .hardware import gpu
-
     c = cfg.cluster
     if c.profile is None:
         return AnalyticCost(model, gpu(c.gpu), dtype_bytes=c.dtype_bytes, num_pages=cfg.engine.num_pages,
                             kv_bytes_per_device=cfg.engine.kv_bytes_per_device)
-    from jaxrl.rollout.adaptive_tp import Profile
-
     path = Path(c.profile).expanduser()
     if not path.is_file():
         raise ConfigError("cluster.profile", f"{path.absolute()}: no such file (python -m jaxrl.rollout.profile writes one)")
@@ -45,8 +47,6 @@ def build_cost(cfg: SimConfig, model):
 def _pat_profile(cfg: SimConfig, model, cost, out: Path) -> str:
     if cfg.cluster.profile is not None:
         return str(Path(cfg.cluster.profile).expanduser())
-    from .profile import simulated_profile
-
     node = min(8, cfg.cluster.gpus)
     prof = simulated_profile(cost, model, cfg.engine, node, candidates=cfg.engine.adaptive_tp.candidates or None)
     prof.key["devices"] = None                 # a TP group's latency: valid for a pool of any size
@@ -58,8 +58,6 @@ def _pat_profile(cfg: SimConfig, model, cost, out: Path) -> str:
 
 def simulate(cfg: SimConfig, *, out: Path, progress: bool = True) -> dict:
     """Every row's summary (see the module docstring); with `progress` a line per simulated step on stderr."""
-    from models import preset
-
     model = preset(cfg.model)
     cost = build_cost(cfg, model)
     workload = cfg.workload.build(cfg.rollout.max_new_tokens)
@@ -113,9 +111,6 @@ def _split(cfg: SimConfig, base: dict | None) -> tuple[int, int]:
 
 def apply_sweep(cfg: SimConfig, value: str) -> SimConfig:
     """`cfg` with its sweep key set to `value` (read by the key's type, as on the command line)."""
-    from jaxrl.config.loading import load_config, to_yaml
-    import tempfile
-
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(to_yaml(dataclasses.replace(cfg, sweep=None, values=())))
     try:

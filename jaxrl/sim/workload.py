@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from math import lgamma
 from pathlib import Path
 from statistics import NormalDist
 
@@ -187,7 +188,6 @@ def _beta(u: float, a: float, b: float) -> float:
     """The u-quantile of Beta(a, b) by bisection (a, b > 0)."""
     if a == 1 and b == 1:
         return u
-    from math import lgamma
 
     def cdf(x, steps=200):
         # midpoint rule on the density; accurate enough for a pass rate

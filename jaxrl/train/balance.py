@@ -23,7 +23,15 @@ bends (the slowest sequence does not get faster); the paper estimates δ' from i
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jaxrl.config.loading import from_yaml_file
+from jaxrl.config.train import TrainConfig
 
 
 def scaled(seconds: float, devices: int) -> Callable[[int], float]:
@@ -80,14 +88,6 @@ def split_from_run(run_dir, total: int) -> dict:
     its steps after the first): T_g from rollout seconds on its generation devices, T_t from the train
     pool's busy seconds (train_s when absent) on its train devices, each scaled as work / devices. Train
     sizes are the powers of two; generation devices come in groups of the run's engine.tp."""
-    import json
-    from pathlib import Path
-
-    import numpy as np
-
-    from jaxrl.config.loading import from_yaml_file
-    from jaxrl.config.train import TrainConfig
-
     run = Path(run_dir)
     cfg = from_yaml_file(TrainConfig, run / "config.yaml")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -108,9 +108,6 @@ def split_from_run(run_dir, total: int) -> dict:
 
 def main(argv=None) -> int:
     """`python -m jaxrl.train.balance RUN_DIR DEVICES`: the split a disaggregated run's stage times suggest."""
-    import json
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or not args[1].isdigit():
         print("usage: python -m jaxrl.train.balance RUN_DIR DEVICES", file=sys.stderr)

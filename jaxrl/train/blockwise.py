@@ -70,8 +70,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl.rollout.executor import canonical
 from kernels import attention
 from models import ModelConfig, decoder_stack
 
@@ -114,7 +116,6 @@ def blocks_with_loss(loss_mask, block: int) -> np.ndarray:
             lo, hi = max(i * block - start, 0), max((i + 1) * block - start, 0)
             local[i] |= bool(m[:, lo:hi].any())
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, n).any(axis=0)
     return local
 
@@ -132,13 +133,13 @@ def history_sharding(rows_sharding):
     if not isinstance(rows_sharding, NamedSharding):
         return None
     rows = rows_sharding.spec[0] if len(rows_sharding.spec) else None
-    return NamedSharding(rows_sharding.mesh, P(None, rows))
+    return canonical(NamedSharding(rows_sharding.mesh, P(None, rows)))
 
 
 def acc_shardings(params) -> dict:
     """`_zero_acc`'s static arguments: the parameters' leaf shardings and the stats sums' (replicated over
     their mesh); None for parameters that are not on a mesh."""
-    leaves = tuple(x.sharding for x in jax.tree.leaves(params))
+    leaves = tuple(canonical(x.sharding) for x in jax.tree.leaves(params))
     if not isinstance(leaves[0], NamedSharding):
         return {"shardings": None, "scalar": None}
     return {"shardings": leaves, "scalar": NamedSharding(leaves[0].mesh, P())}
@@ -285,6 +286,13 @@ class BlockwiseUpdater(Updater):
             c["blocks"], c["skipped"] = c["blocks"] + len(plan), c["skipped"] + n - len(plan)
         if not plan:
             return acc
+        # One micro-batch's programs at a time: the next one's K/V pass depends only on the weights, so without
+        # this wait it runs beside the current block chain, two programs with all-gathers in flight at once.
+        # On XLA:CPU each device's part of a program holds a pool thread while it waits in a collective, and
+        # with the next rollout busy beside the update (one-step-async, fsdp=2) a part found no thread: 3 of 3
+        # runs deadlocked in an all-gather by their 4th step; with the wait, 8 of 8 steps ran. One host sync
+        # per micro-batch (blocks_with_loss above already reads its mask).
+        jax.block_until_ready(acc)
         mb = self._prepare(raw)
         at = history_sharding(raw["tokens"].sharding)
         hk, hv = (self.cache("kv", self.kv_fn, params, mb, sharding=at) if kv is None

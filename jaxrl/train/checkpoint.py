@@ -64,6 +64,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 __all__ = ["CheckpointManager"]
 
@@ -404,8 +405,6 @@ class CheckpointManager:
             self._good[step] = self._fingerprint(d)
         self._bad.discard(step)
         if jax.process_count() > 1:  # no process may look for the marker before it exists
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"jaxrl_checkpoint_commit_{self.directory}_{step}")
 
     # ------------------------------------------------------------------ restore

@@ -34,7 +34,7 @@ from models import forward
 
 from . import rl
 from .distributed import global_sum
-from .optim import init_state
+from .optim import init_state, make_optimizer
 from .step import make_apply_update
 from .update import _abstract, _out_abstract
 
@@ -89,7 +89,7 @@ class Critic:
     def __init__(self, model_cfg, section, trainer, mesh, param_shardings, total_updates: int, *,
                  cache: ExecutableCache = CACHE):
         self.model_cfg, self.mesh, self.cache = model_cfg, mesh, cache
-        self.tx, self.lr = section.optim.build(total_updates)
+        self.tx, self.lr = make_optimizer(section.optim, total_updates)
         rep = NamedSharding(mesh, P())
         self.shardings = {"trunk": param_shardings, "head": {"w": rep, "b": rep}}
         fwd = dict(cfg=model_cfg, attention_impl=trainer.attention_impl)

@@ -14,8 +14,10 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl.config.train import DistributedSection
+from jaxrl.runtime import request_cpu_devices
 
 
 def settings(d: DistributedSection) -> tuple[str | None, int, int]:
@@ -32,8 +34,6 @@ def settings(d: DistributedSection) -> tuple[str | None, int, int]:
 
 def initialize(d: DistributedSection, local_cpu_devices: int) -> None:
     coord, n, pid = settings(d)
-    from jaxrl.runtime import request_cpu_devices
-
     request_cpu_devices(local_cpu_devices)   # fake devices; no effect on GPU/TPU
     if n > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -51,7 +51,6 @@ def global_sum(x) -> np.ndarray:
     x = np.asarray(x, np.float64)
     if jax.process_count() == 1:
         return x
-    from jax.experimental import multihost_utils
     hi = x.astype(np.float32)
     lo = (x - hi.astype(np.float64)).astype(np.float32)
     parts = np.asarray(multihost_utils.process_allgather(np.stack([hi, lo])), np.float64)
@@ -61,7 +60,6 @@ def global_sum(x) -> np.ndarray:
 def global_max(x: int) -> int:
     if jax.process_count() == 1:
         return int(x)
-    from jax.experimental import multihost_utils
     return int(np.max(multihost_utils.process_allgather(np.asarray([x], np.int64))))
 
 
@@ -72,7 +70,6 @@ def allgather(x) -> np.ndarray:
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x)).reshape(jax.process_count(), *x.shape)
 
 

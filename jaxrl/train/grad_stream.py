@@ -28,10 +28,11 @@ the train pool's thread (packing and dispatch off the caller's loop); `combine` 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import rl
-from .batch import Sample, pack, pack_rows
+from .batch import FIELDS, INT_FIELDS, Sample, pack, pack_rows
 from .step import sum_onto
 
 ROWS = P(("dp", "fsdp"), None)
@@ -52,8 +53,6 @@ class GradientStream:
 
     def keys(self) -> list[str]:
         """The fields of one micro-batch's gradient step."""
-        from .batch import FIELDS
-
         return list(FIELDS) + ["ref_logp"] * bool(self.spec.kl_coef) + ["old_logp"] * self.behaviour
 
     # ------------------------------------------------------------------ step lifecycle
@@ -129,10 +128,6 @@ class GradientStream:
 
     # ------------------------------------------------------------------ internals
     def abstract_mb(self, rows: NamedSharding) -> dict:
-        import jax.numpy as jnp
-
-        from .batch import INT_FIELDS
-
         return {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
                                         sharding=rows) for k in self.keys()}
 
@@ -185,8 +180,6 @@ class GradientStream:
 
 def warm_sum(gs: GradientStream, params) -> None:
     """Run the combine's add program once on zeros (what `combine` sums the accumulators with)."""
-    import jax.numpy as jnp
-
     sums = gs.abstract_sums(params)
     shardings = jax.tree.map(lambda s: s.sharding, sums)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), sums)

@@ -39,6 +39,8 @@ import jax
 import numpy as np
 from tensorboard.summary import Writer
 
+from jaxrl.train.curves import read_metrics
+
 __all__ = ["MetricsLogger", "Profiler", "parse_profile_steps", "read_rows", "run_summary"]
 
 
@@ -155,8 +157,6 @@ class MetricsLogger:
 
 def read_rows(run_dir: str | Path) -> list[dict]:
     """The complete per-step rows of ``run_dir/metrics.jsonl``, by step (the whole run, resumes included)."""
-    from jaxrl.train.curves import read_metrics
-
     path = Path(run_dir) / "metrics.jsonl"
     return read_metrics(path) if path.exists() else []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.config.train import OptimSection
 
@@ -43,8 +44,6 @@ def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTra
 def init_state(tx: optax.GradientTransformation, params, param_shardings, mesh):
     """Optimizer state laid out like the params (moments share each param's sharding) with the rest
     (step counters) replicated over the mesh — global arrays every process can checkpoint."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     abstract = jax.eval_shape(tx.init, params)
     out = optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_shardings,
                                 transform_non_params=lambda _: NamedSharding(mesh, P()))

@@ -49,6 +49,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxrl.rollout import Completion
+
 
 # ----------------------------------------------------------------------------------------------- pools
 def split_devices(*, train_size: int, gen_per_process: int, spare_per_process: int = 0,
@@ -168,8 +170,6 @@ class Prefetched:
 
     @classmethod
     def from_state(cls, d: dict) -> "Prefetched":
-        from jaxrl.rollout import Completion
-
         comps = [Completion(c["request_id"], c["prompt"], c["tokens"], c["logprobs"], c["finish_reason"],
                             c["instance"], c["preemptions"]) for c in d["completions"]]
         return cls(int(d["step"]), int(d["version"]), list(d["rows"]), comps,

@@ -30,6 +30,7 @@ from typing import Any
 from jaxrl.config import from_yaml, to_yaml
 from jaxrl.config.base import ConfigError
 from jaxrl.config.train import TrainConfig
+from models import load_tokenizer
 
 # Keys that may change between a run and its resume: how long it runs, how often it saves, what it
 # records, where the processes meet. Everything else changes the training itself.
@@ -85,8 +86,6 @@ def _same_tokenizer(a, b) -> bool:
 
 def tokenizer_source(cfg: TrainConfig) -> str:
     """What `models.load_tokenizer` loads for this run: "char" or a directory (see the module docstring)."""
-    from models import load_tokenizer
-
     given, model_dir = cfg.data.tokenizer, cfg.model.hf_path
     if given in (None, "model"):
         if model_dir is None:
@@ -110,8 +109,6 @@ def tokenizer_source(cfg: TrainConfig) -> str:
 
 def check_tokenizer(cfg: TrainConfig) -> str:
     """`tokenizer_source`, and its vocabulary fits the model's embedding table."""
-    from models import load_tokenizer
-
     source = tokenizer_source(cfg)
     tok = load_tokenizer(source)
     try:

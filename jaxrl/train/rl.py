@@ -28,7 +28,7 @@ from jaxrl import algos
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards.registry import one_line, reward_fn_for, reward_name
 from jaxrl.rewards.scheduler import RewardScheduler
-from jaxrl.rollout import Completion, RolloutService
+from jaxrl.rollout import Completion, RolloutService, SamplingParams
 
 from .batch import Sample, pack, pack_rows, row_bucket
 from .distributed import global_max, global_sum
@@ -85,8 +85,9 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     rids = []
     placed = [{}] * len(prompts) if route is None else [dict(instance=i, priority=q) for i, q in zip(*route(prompts))]
     for ids, row, where_to in zip(prompts, rows, placed):
-        params = r.build(n=G, stop_token_ids=eos_ids, seed=request_seed(cfg.seed, step, int(row["index"])),
-                         return_kv=uses_rollout_kv(cfg))
+        params = SamplingParams.from_config(r, n=G, stop_token_ids=eos_ids,
+                                            seed=request_seed(cfg.seed, step, int(row["index"])),
+                                            return_kv=uses_rollout_kv(cfg))
         rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params), **where_to))
     where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group)}
     comps: list[list[Completion | None]] = [[None] * G for _ in prompts]

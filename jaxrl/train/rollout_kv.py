@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl.rollout.shapes import fine_bucket
 from models import ModelConfig
 
 
@@ -88,8 +89,6 @@ class KVStager:
     def warm(self, page_size: int, max_pages: int, n_rows: int, row_len: int):
         """Run every write shape (each exported page bucket) and the micro-batch gather once, on zeros, so a run
         compiles none of them later (the buffers are overwritten from offset 0 every step)."""
-        from jaxrl.rollout.shapes import fine_bucket
-
         L, _, K, D = self.k.shape
         for b in sorted({fine_bucket(p) for p in range(1, max_pages + 1)}):
             x = jax.device_put(np.zeros((L, b * page_size, K, D), self.k.dtype), self.stage_sharding)

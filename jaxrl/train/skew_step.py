@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxrl.config.skew import SkewSection
 from jaxrl.rollout import skew
+from jaxrl.rollout.adaptive_tp import Predictor, Profile
 from jaxrl.rollout.ranker import LengthRanker
 
 from .distributed import gather_ragged
@@ -59,8 +60,6 @@ class SkewStep:
     def _ptl(section: SkewSection, tp: int, max_prompt_len: int):
         if section.profile is None:
             return skew.linear_ptl(section.ptl_base_s, section.ptl_per_seq_s)
-        from jaxrl.rollout.adaptive_tp import Predictor, Profile
-
         pred = Predictor(Profile.load(section.profile))
         if tp not in pred.layouts:
             raise ValueError(f"rollout.skew.profile {section.profile} has no TP{tp} layout (the engine's); "

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl import algos
+from jaxrl.config.train import AlgoSection, TrainerSection
 from kernels.logprob_loss import token_loss_sum
 from kernels.logprobs import token_logprobs
 from models import ModelConfig, forward, lm_head
@@ -77,6 +78,19 @@ class LossSpec:
                               ("remat", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"LossSpec.{name}={getattr(self, name)!r}; valid choices: {', '.join(choices)}")
+
+    @classmethod
+    def from_config(cls, algo: AlgoSection, *, temperature: float, trainer: TrainerSection,
+                    kind: str = "rl") -> LossSpec:
+        """The static spec of `algo`'s objective with `trainer`'s train-forward options (`kind="sft"`: the
+        warm start's NLL)."""
+        if kind == "sft":
+            return cls(kind="sft", remat=trainer.remat, attention_impl=trainer.attention_impl,
+                       fused_loss=trainer.fused_loss)
+        return cls(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                   kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
+                   entropy_coef=algo.entropy_coef, temperature=temperature, remat=trainer.remat,
+                   attention_impl=trainer.attention_impl, fused_loss=trainer.fused_loss)
 
 
 def token_logp(params, cfg: ModelConfig, batch, temperature: float = 1.0, *, remat: str = "none",

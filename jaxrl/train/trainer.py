@@ -29,6 +29,7 @@ records its metrics.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,10 +40,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxrl.config import to_yaml
-from jaxrl.config.train import TrainConfig
-from jaxrl.rewards import check_rewards, reward_names
+from jaxrl.config.train import WHOLE_BATCH_ADVANTAGES, TrainConfig
+from jaxrl.rewards import RewardPool, RewardScheduler, check_rewards, reward_names
 from jaxrl.runtime import CompileCounter
 from jaxrl.data import DataLoader, PromptDataset, encode_prompts
+from jaxrl.data.tasks import DEFAULT_TASKS
 from models import init, load_hf, load_tokenizer, logical_axes, save_hf
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
@@ -54,8 +56,10 @@ from .blockwise import BlockwiseUpdater
 from .critic import Critic
 from .rollout_kv import KVStager
 from .rounds import tail_round
+from jaxrl.rollout.memory import DEFAULT_MEMORY_FRACTION, device_memory, holds_request
 from jaxrl.rollout.shapes import fine_bucket
-from jaxrl.rollout.planner import RolloutLayout, apply as apply_layout, total_preemptions
+from jaxrl.rollout import RolloutService, SamplingParams
+from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layout, total_preemptions
 from jaxrl.rollout.tail_batching import TailBatcher
 from .checkpoint import CheckpointManager
 from .curves import plot_run
@@ -64,9 +68,9 @@ from .metrics import MetricsLogger, Profiler
 from .skew_step import SkewStep
 from .step_metrics import step_metrics, tail_metrics
 from .warm_start import supervised_warm_start
-from .optim import init_state
+from .optim import init_state, make_optimizer
 from .preflight import ResumePlan, StartupError, check_tokenizer, plan_resume, write_config
-from .step import make_logprob_fn, make_train_step
+from .step import LossSpec, make_logprob_fn, make_train_step
 from .balance import ScaleUp
 from .grad_stream import GradientStream, warm_sum
 from .pipeline import Prefetched, TrainWorker, check_staleness, split_devices
@@ -86,14 +90,14 @@ class Trainer:
         self.model_cfg, self.dtype = cfg.model.model_config(), cfg.model.jnp_dtype()
         self.tokenizer = load_tokenizer(check_tokenizer(cfg))
         self._setup_data()
-        self.pool = cfg.rewards.build()
+        self.pool = RewardPool.from_config(cfg.rewards)
         try:
             check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry), self.pool)
         except ValueError as e:
             self.pool.close()
             raise StartupError(str(e)) from None
         self.reward_guard = rl.RewardFailureGuard(cfg.rewards.max_failed_steps)
-        self.rewards = cfg.rewards.scheduler(self.pool)     # cancellation; code: sandbox + adaptive timeouts
+        self.rewards = RewardScheduler.from_config(cfg.rewards, self.pool)   # cancellation; code: sandbox, timeouts
         layout = cfg.train_layout.build()
         train_devices, self.gen_devices = jax.devices(), jax.local_devices()
         if cfg.placement == "disaggregated":     # StreamRL: disjoint generation and train pools
@@ -119,11 +123,11 @@ class Trainer:
             self.params = init(jax.random.key(cfg.seed), self.model_cfg, self.dtype, shardings=self.shardings,
                                vocab_size=self.padded_vocab)
         self.ref_params = None
-        self.tx, self.lr = cfg.optim.build(cfg.steps * cfg.algo.mini_batches)
+        self.tx, self.lr = make_optimizer(cfg.optim, cfg.steps * cfg.algo.mini_batches)
         self.opt_state = init_state(self.tx, self.params, self.shardings, self.mesh)
         temperature = cfg.rollout.temperature or 1.0
         a = cfg.algo
-        self.spec = a.build(temperature=temperature, trainer=cfg.trainer)
+        self.spec = LossSpec.from_config(a, temperature=temperature, trainer=cfg.trainer)
         self.critic = None        # PPO's value model (algo.advantage=gae); its weights are made when RL starts
         if a.advantage == "gae":
             self.critic = Critic(self.model_cfg, cfg.critic, cfg.trainer, self.mesh, self.shardings,
@@ -153,8 +157,8 @@ class Trainer:
                                         pack_len=self.pack_len, mb_rows=self.mb_rows)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         sk = cfg.rollout.skew
-        self.svc = e.build(self.model_cfg, self.params, devices=self.gen_devices,
-                           order="lpt" if sk.enabled and sk.lpt else "fcfs")
+        self.svc = RolloutService.from_config(e, self.model_cfg, self.params, devices=self.gen_devices,
+                                              order="lpt" if sk.enabled and sk.lpt else "fcfs")
         self.engine_version = 0         # the step whose weights the generation instances hold
         self.prefetched: Prefetched | None = None      # one-step-async: the next step's rollout, already made
         self.worker = self.gstream = self.balance = None
@@ -163,7 +167,7 @@ class Trainer:
             self.svc.observers.append(lambda a, b: timeline.add("gen", "decode", a, b))
         if cfg.placement == "disaggregated":     # the train pool's thread; streamed gradients (one process)
             self.worker = TrainWorker(timeline)
-            if not t.async_steps and jax.process_count() == 1:
+            if not t.async_steps and jax.process_count() == 1 and a.advantage not in WHOLE_BATCH_ADVANTAGES:
                 self.gstream = GradientStream(cfg, self.spec, self.updater, self.mesh, pack_len=self.pack_len,
                                               mb_rows=self.mb_rows, executor=self.worker)
             if cfg.stage_balance.scale_up:
@@ -172,7 +176,8 @@ class Trainer:
         if sk.enabled:           # StreamRL: length ranker -> long-tail prompts on dedicated instances, LPT inside
             self.skew = SkewStep(sk, max_prompt_len=cfg.data.max_prompt_len, group_size=cfg.algo.group_size,
                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, tp=e.tp)
-        self.planner = e.planner.build(e.num_devices, self.model_cfg, e.tp, fits=self._layout_fits)  # RollPacker
+        self.planner = TPPlanner.from_config(e.planner, e.num_devices, self.model_cfg, e.tp,   # RollPacker
+                                             fits=self._layout_fits)
         try:        # DistFlow: the step's graph, planned and bound to its functions before any work
             self.flow = Flow.build(cfg, streamed_update=bool(self.stream or self.gstream))
         except GraphError as err:
@@ -196,8 +201,6 @@ class Trainer:
 
     def _layout_fits(self, tp: int) -> bool:
         """Whether a TP-`tp` rollout instance's memory budget holds one max_seq_len request (the planner)."""
-        from jaxrl.rollout.memory import DEFAULT_MEMORY_FRACTION, device_memory, holds_request
-
         e, devices = self.cfg.engine, self.svc.devices[:tp]
         budget = e.kv_bytes_per_device
         if budget is None:
@@ -220,7 +223,6 @@ class Trainer:
     def _setup_data(self):
         d, cfg = self.cfg.data, self.cfg
         if d.source == "builtin":
-            from jaxrl.data.tasks import DEFAULT_TASKS
             ds = PromptDataset.builtin(list(d.tasks) or list(DEFAULT_TASKS), d.num_examples, cfg.seed)
         else:
             ds = PromptDataset.from_file(d.source, prompt_key=d.prompt_key, answer_key=d.answer_key)
@@ -457,8 +459,9 @@ class Trainer:
 
     def _rollout_params(self) -> list:
         """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
-        return [self.cfg.rollout.build(n=self.cfg.algo.group_size, stop_token_ids=self.tokenizer.eos_ids,
-                                       return_kv=rl.uses_rollout_kv(self.cfg))]
+        return [SamplingParams.from_config(self.cfg.rollout, n=self.cfg.algo.group_size,
+                                           stop_token_ids=self.tokenizer.eos_ids,
+                                           return_kv=rl.uses_rollout_kv(self.cfg))]
 
     # -------------------------------------------------------------------------------------- warm-up
     def warm_up(self):
@@ -559,8 +562,6 @@ class Trainer:
     def _discard_unstarted(self):
         """A run that failed before its first RL step: remove its checkpoint 0 and the config.yaml it wrote,
         so the next run in this directory starts clean (with whatever config it has)."""
-        import shutil
-
         self.profiler.close()
         self.ckpt.close()
         if not self.is_main:

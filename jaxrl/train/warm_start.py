@@ -11,11 +11,12 @@ from tqdm import tqdm
 
 from jaxrl.config.train import TrainConfig
 from jaxrl.data import DataLoader, encode_demonstrations
+from jaxrl.data.tasks import TASKS
 
 from . import rl
 from .batch import Sample
-from .optim import init_state
-from .step import make_train_step
+from .optim import init_state, make_optimizer
+from .step import LossSpec, make_train_step
 from .update import Updater
 
 
@@ -23,8 +24,6 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
                           mb_rows: int | None, model_cfg, metrics, *, is_main: bool = True):
     """`cfg.warm_start.steps` NLL steps (token-mean, its own optimizer) from `params`; returns the new
     params. `mb_rows`: the fixed micro-batch rows of the RL update (None: the fused whole-batch step)."""
-    from jaxrl.data.tasks import TASKS
-
     w = cfg.warm_start
     other = sorted({row["task"] for row in dataset} - set(TASKS))
     if other:
@@ -32,9 +31,9 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
             print(f"[train] warm start skipped: it supervises the built-in tasks only, and the data has task "
                   f"{other[0]!r} (set warm_start.steps=0 to silence this)", flush=True)
         return params
-    tx, _ = w.optim.build(w.steps)
+    tx, _ = make_optimizer(w.optim, w.steps)
     opt = init_state(tx, params, shardings, mesh)
-    sft = cfg.algo.build(temperature=1.0, trainer=cfg.trainer, kind="sft")
+    sft = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer, kind="sft")
     updater = Updater(model_cfg, sft, tx) if mb_rows else None
     step_fn = None if updater else make_train_step(model_cfg, sft, tx, 1)
     if w.batch_size % jax.process_count():

@@ -29,6 +29,7 @@ import bench_adaptive_tp as B  # noqa: E402
 from jaxrl.config.generate import EngineSection  # noqa: E402
 from jaxrl.rollout.adaptive_tp import Predictor, Profile  # noqa: E402
 from jaxrl.rollout.profile import measure_layout, shape_grid  # noqa: E402
+from jaxrl.rollout.service import RolloutService  # noqa: E402
 from models import init  # noqa: E402
 
 REPEATS, STEPS, PASSES, DECODE_STEPS = 6, 60, 6, 12
@@ -39,7 +40,8 @@ t0 = time.time()
 total = 64
 runs, layouts, rng = {}, {}, np.random.default_rng(0)
 for tp in (1, 2, 4):
-    svc = dataclasses.replace(engine, tp=tp, instances=8 // tp, max_batch=total * tp // 8).build(cfg, w)
+    svc = RolloutService.from_config(dataclasses.replace(engine, tp=tp, instances=8 // tp, max_batch=total * tp // 8),
+                                     cfg, w)
     batches, contexts = shape_grid(svc.instances[0].shapes, DECODE_STEPS)
     prompts, lens = B.requests(min(total * tp // 8, 32), tp, cfg.vocab_size, 40, 300)
     # profile passes and trajectory runs alternate on one service, so a drift of the host's speed over
