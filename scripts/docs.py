@@ -411,6 +411,30 @@ def logprobs() -> str:
             + footer(*files))
 
 
+# ------------------------------------------------------------------------------------------- composition
+
+@renders("composition")
+def composition() -> str:
+    """The pair matrix (scripts/composition.py): ✓ accepted by the config, a number = the refusal below."""
+    d = load("composition.json")
+    names = list(d["mechanisms"])
+    refused = [p for p in d["pairs"] if not p["accepted"]]
+    ref = {(p["a"], p["b"]): i + 1 for i, p in enumerate(refused)}
+    ref.update({(b, a): i for (a, b), i in list(ref.items())})
+    rows = [[f"`{a}`"] + ["·" if a == b else (f"✗{ref[a, b]}" if (a, b) in ref else "✓") for b in names]
+            for a in names]
+    mech = table(["mechanism", "turned on by", "decides", "needs", "paper"], "lllll",
+                 [[f"`{n}`", " ".join(f"`{o}`" for o in m["overrides"]), m["decides"], m["needs"], m["paper"]]
+                  for n, m in d["mechanisms"].items()])
+    why = "\n".join(f"{i + 1}. `{p['a']}` × `{p['b']}` — `{p['key']}`: {p['reason']}" for i, p in enumerate(refused))
+    head = (f"**{d['refused']} of {d['total']} pairs refused** by the config checks, each pair loaded on top of "
+            f"the quickstart with {' '.join(f'`{o}`' for o in d['base'])}.")
+    return "\n\n".join([head, mech, table([""] + [f"`{i + 1}`" for i in range(len(names))], "l" + "c" * len(names),
+                                           [[f"{i + 1} {r[0]}"] + r[1:] for i, r in enumerate(rows)]), why,
+                         "*Computed from the code, no machine involved. Rendered from `scripts/results/composition.json` "
+                         "by `scripts/docs.py`.*"])
+
+
 # ------------------------------------------------------------------------------------------------ pages
 
 def pages() -> list[Path]:

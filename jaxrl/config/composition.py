@@ -1,0 +1,102 @@
+"""Which mechanisms compose: every mechanism's settings declared once, and the pair matrix computed by the
+trainer's own config checks (`TrainConfig`'s cross-section checks), never by a hand-kept list.
+
+    MECHANISMS["tail"].overrides        # the dotted overrides that turn it on, on top of BASE
+    pair_matrix()                       # {(a, b): None (accepted) or (key, reason) (refused)}
+
+A mechanism declares what it **decides** (where training runs, who owns the generation layout, what the
+update needs before it starts, ...) and what it **needs**; two mechanisms that decide the same thing are the
+pairs a config may refuse. The matrix is measured, not declared: `scripts/composition.py` writes it to
+`scripts/results/composition.json`, `scripts/docs.py` renders docs/composition.md from that JSON, and
+tests/test_composition.py recomputes it from the code and fails when the JSON (hence the page) differs,
+or when a refusal names no reason.
+
+Simplified (said, not pretended done): a pair here is accepted by the config; the issue's matrix also runs
+every accepted pair for 2 RL steps on a 4-device train layout, which this module does not do (see
+tests/test_composition.py for the pairs that are run). The declarations are documentation the table shows;
+the checks themselves still live in each config section (`placement.py`, `stream.py`, `critic.py`, ...), not
+derived from the declarations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from .base import ConfigError
+from .loading import CONFIGS_DIR, load_config
+from .train import TrainConfig
+
+# Every pair is loaded on top of the quickstart with a 4-device train layout and 4 rollout instances.
+BASE = ("engine.instances=4", "train_layout.fsdp=4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """One setting of the pair matrix: its overrides, what it decides and needs (for the table), its paper."""
+    overrides: tuple[str, ...]
+    decides: str
+    needs: str
+    paper: str
+
+
+MECHANISMS: dict[str, Mechanism] = {
+    "pat": Mechanism(("engine.adaptive_tp.enabled=true", "engine.adaptive_tp.profile=pat_profile.json"),
+                     "the generation layout mid-rollout (TP switches)", "a latency profile", "PAT"),
+    "tail_batching": Mechanism(("rollout.tail_batching.enabled=true",),
+                               "which prompts and responses a step trains (speculative rounds, long-prompt queue)",
+                               "the rollout of the step being trained", "RollPacker"),
+    "dynamic_sampling": Mechanism(("rollout.tail_batching.enabled=true",
+                                   "rollout.tail_batching.dynamic_sampling=true"),
+                                  "refill waves until the batch has signal", "tail batching's rounds",
+                                  "RollPacker / DAPO"),
+    "planner": Mechanism(("engine.planner.enabled=true", "engine.kv_bytes_per_device=3900000"), "the generation TP per round type (from preemptions)",
+                         "the layout at the weight sync", "RollPacker"),
+    "stream_trainer": Mechanism(("trainer.stream.enabled=true",),
+                                "where gradients run (freed rollout devices, mid-rollout)",
+                                "per-group advantages, one update per batch", "RollPacker"),
+    "disaggregated": Mechanism(("placement=disaggregated",), "where training runs (its own device pool)",
+                               "fixed-shape micro-batches", "StreamRL"),
+    "async": Mechanism(("placement=disaggregated", "trainer.async_steps=1"),
+                       "when the update runs (beside the next rollout)", "a separate train pool", "StreamRL"),
+    "skew": Mechanism(("rollout.skew.enabled=true",), "which instance generates which prompt (long-tail class)",
+                      "several instances", "StreamRL"),
+    "scale_up": Mechanism(("placement=disaggregated", "stage_balance.scale_up=true", "stage_balance.max_instances=5"),
+                          "the number of generation instances (grows between steps)", "spare devices",
+                          "StreamRL"),
+    "blockwise": Mechanism(("trainer.backward=blockwise",), "how gradients are computed (blocks, recomputed K/V)",
+                           "fixed-shape micro-batches", "MetroRLHF"),
+    "blockwise_rollout_kv": Mechanism(("trainer.backward=blockwise", "trainer.kv_source=rollout"),
+                                      "how gradients are computed (blocks over the rollout's K/V)",
+                                      "on-policy K/V of the whole batch", "MetroRLHF"),
+    "repartition": Mechanism(("trainer.repartition=tokens",), "which process trains which sample",
+                             "the whole batch before packing", "DistFlow"),
+    "ppo": Mechanism(("algo.advantage=gae",), "advantages (a critic's values, GAE over the whole batch)",
+                     "the whole batch before the update", "DistFlow (PPO)"),
+    "two_processes": Mechanism(("distributed.num_processes=2",), "how many controllers run the graph",
+                               "global agreement on counts", "DistFlow"),
+}
+
+
+def overrides(*names: str) -> list[str]:
+    """BASE plus the named mechanisms' overrides (later values of a key win; the declared ones never clash)."""
+    merged: dict[str, str] = {}
+    for item in BASE + tuple(o for n in names for o in MECHANISMS[n].overrides):
+        key, value = item.split("=", 1)
+        merged[key] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+def check(*names: str) -> tuple[str, str] | None:
+    """None if the quickstart with these mechanisms on loads, else the refusal (key, message)."""
+    try:
+        load_config(TrainConfig, overrides(*names), default_yaml=CONFIGS_DIR / "quickstart.yaml")
+    except ConfigError as e:
+        return e.key, e.message
+    return None
+
+
+def pair_matrix() -> dict[tuple[str, str], tuple[str, str] | None]:
+    """Every unordered pair of MECHANISMS (in declaration order) -> `check` of the pair."""
+    return {(a, b): check(a, b) for a, b in itertools.combinations(MECHANISMS, 2)}
+

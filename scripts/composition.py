@@ -1,0 +1,42 @@
+"""Write the composition table (`jaxrl.config.composition`): every mechanism's declaration and, for every pair,
+whether the trainer's config checks accept it or the key and reason of the refusal.
+
+    scripts/venv.sh python scripts/composition.py                 # -> scripts/results/composition.json
+    scripts/venv.sh python scripts/docs.py                        # -> docs/composition.md
+
+tests/test_composition.py recomputes the table from the code and fails when the JSON differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jaxrl.config.composition import BASE, MECHANISMS, pair_matrix
+
+OUT = Path(__file__).resolve().parent / "results" / "composition.json"
+
+
+def table() -> dict:
+    pairs = pair_matrix()
+    return {"base": list(BASE),
+            "mechanisms": {n: {"overrides": list(m.overrides), "decides": m.decides, "needs": m.needs,
+                               "paper": m.paper} for n, m in MECHANISMS.items()},
+            "pairs": [{"a": a, "b": b, "accepted": r is None, "key": None if r is None else r[0],
+                       "reason": None if r is None else r[1]} for (a, b), r in pairs.items()],
+            "refused": sum(r is not None for r in pairs.values()), "total": len(pairs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    t = table()
+    args.out.write_text(json.dumps(t, indent=1) + "\n")
+    print(f"{t['refused']} of {t['total']} pairs refused -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The composition table (`jaxrl.config.composition`, docs/composition.md): recomputed from the config checks, it
+equals the committed scripts/results/composition.json (so the rendered page cannot drift from the code); every
+mechanism loads alone; every refusal names its key and a reason; the number of refused pairs only goes down."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrl.config.composition import MECHANISMS, check, overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+REFUSED_AT_MOST = 20          # of the 91 pairs; lower it when a pair starts to compose, never raise it
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("composition_script", ROOT / "scripts" / "composition.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def table():
+    return _script().table()
+
+
+def test_committed_table_matches_the_code(table):
+    committed = json.loads((ROOT / "scripts" / "results" / "composition.json").read_text())
+    assert committed == table, "re-run: scripts/venv.sh python scripts/composition.py && scripts/venv.sh python scripts/docs.py"
+
+
+def test_refusals_name_a_key_and_a_reason(table):
+    n = len(MECHANISMS)
+    assert table["total"] == n * (n - 1) // 2 == len(table["pairs"])
+    refused = [p for p in table["pairs"] if not p["accepted"]]
+    assert table["refused"] == len(refused) <= REFUSED_AT_MOST
+    for p in refused:
+        assert p["key"] and len(p["reason"]) > 20, p
+    assert all(p["key"] is None and p["reason"] is None for p in table["pairs"] if p["accepted"])
+
+
+def test_each_mechanism_loads_alone_and_a_contradiction_is_refused():
+    for name in MECHANISMS:
+        assert check(name) is None, (name, check(name))
+    # both decide where training runs: the stream trainer frees rollout devices, disaggregation has its own
+    key, reason = check("stream_trainer", "disaggregated")
+    assert key == "trainer.stream.enabled" and "own devices" in reason
+    assert overrides("async", "disaggregated").count("placement=disaggregated") == 1
