@@ -47,6 +47,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np  # noqa: E402
 
+# its files in scripts/results/ (tests/test_docs.py)
+OUTPUTS = ("bench_adaptive_tp.json", "bench_adaptive_tp.png",
+           "bench_adaptive_tp_profile.json", "bench_adaptive_tp_trajectories.json")
+
 
 def model_config(quick: bool):
     """The benchmark models (tiny for --quick, hidden-512 x 8 layers otherwise): bench_rollout's."""

@@ -53,6 +53,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_blockwise.jso
 FLOAT_FIELDS = ("advantages", "weights", "ref_logp")
 INT_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
 
+OUTPUTS = ("bench_blockwise.json", "bench_blockwise.png")  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def _spec(args) -> LossSpec:
     return LossSpec(clip_high=0.28, kl_coef=0.05, kl_estimator="k3", remat=args.remat, attention_impl=args.attention)

@@ -48,6 +48,8 @@ HANG = "import time\nwhile True:\n    time.sleep(1)"
 WRONG = "print(0)"
 DEFAULT_OUT = ROOT / "scripts" / "results" / "bench_code_rewards.json"
 
+OUTPUTS = ("bench_code_rewards.json",)  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

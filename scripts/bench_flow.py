@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+OUTPUTS = ("bench_flow.json",)  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def lengths_for(process: int, processes: int, n: int, pack_len: int, seed: int) -> list[tuple[int, int]]:
     """(prompt, response) lengths of one process's `n` samples. Responses are short (lognormal, median ~37

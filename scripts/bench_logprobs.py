@@ -34,6 +34,8 @@ from kernels.logprobs import token_logprobs, token_logprobs_reference  # noqa: E
 VOCAB, HIDDEN, TOKENS = 151936, 1024, 4096
 ENT_COEF = 0.01
 
+OUTPUTS = ("bench_logprobs.json", "bench_logprobs_f32.json")  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def loss_fn(impl, chunk_size):
     def loss(hidden, w, targets):

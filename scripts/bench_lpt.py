@@ -36,6 +36,8 @@ import numpy as np  # noqa: E402
 
 ORDERS = ("fcfs", "lpt_oracle", "lpt_predicted")
 
+OUTPUTS = ("bench_lpt.json", "bench_lpt.png")  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def run(args) -> dict:
     import jax

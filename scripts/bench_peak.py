@@ -82,6 +82,8 @@ DECODE_ROWS = (1, 16, 32, 64)
 BF16_VARIANTS = ("native", "native_f32acc", "upcast")
 BF16_OPS = ("gate_proj/up_proj", "lm_head")      # bf16 by default at the 58m train shape (time budget)
 
+OUTPUTS = ("bench_peak.json",)  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def load_peak(path: str | os.PathLike = DEFAULT_OUT) -> dict | None:
     """The JSON of a previous run (`peak_gflops[dtype]`, `bandwidth_gbs`, ...), or None if there is none."""

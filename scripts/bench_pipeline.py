@@ -42,6 +42,9 @@ DEVICES = {"colocated": {"gen": list(range(8)), "train": list(range(8))},
            "disaggregated": {"gen": [4, 5, 6, 7], "train": [0, 1, 2, 3]},
            "async": {"gen": [4, 5, 6, 7], "train": [0, 1, 2, 3]}}
 
+# its files in scripts/results/ (tests/test_docs.py)
+OUTPUTS = ("bench_pipeline.json", "bench_pipeline.png", "bench_pipeline_timelines.json")
+
 
 def one_mode(mode: str, args, out: Path) -> None:
     """Run inside a fresh process (8 CPU devices): train with a timeline, dump it."""

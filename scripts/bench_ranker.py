@@ -39,6 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+# its files in scripts/results/ (tests/test_docs.py)
+OUTPUTS = ("bench_ranker.json", "bench_ranker.png", "bench_ranker_run.json", "bench_ranker_run.png")
+
 
 def builtin_pairs(n: int, seed: int) -> tuple[list[list[int]], list[int], list[str]]:
     """(prompt ids, reference answer length + 1, task) of n built-in examples."""

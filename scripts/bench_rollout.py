@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Published HBM bandwidths (bytes/s) for the floor; a measured device-copy bandwidth is reported beside it.
 NOMINAL_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L4": 3.0e11, "A10": 6.0e11}
 
+OUTPUTS = ("bench_rollout.json", "bench_rollout.md")  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def bench_config(quick: bool):
     from models import ModelConfig

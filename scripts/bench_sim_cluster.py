@@ -66,6 +66,9 @@ PAPER = {
                                 "retention_64_512": 0.805},
 }
 
+# its files in scripts/results/ (tests/test_docs.py)
+OUTPUTS = ("bench_sim_cluster.json", "bench_sim_cluster.md", "sim_*.png")
+
 
 def run(name: str, reuse: bool) -> Path:
     recipe, extra = RECIPES[name]

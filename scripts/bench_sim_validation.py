@@ -33,6 +33,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np  # noqa: E402
 
+# its files in scripts/results/ (tests/test_docs.py)
+OUTPUTS = ("bench_sim_validation.json", "bench_sim_validation_profile.json")
+
 
 def model_config(quick: bool):
     from models import ModelConfig

@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+OUTPUTS = ("bench_tail_batching.json", "bench_tail_batching.png")  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def zero_reward(response: str, answer: str, task: str) -> float:
     """The bench measures rollout time only; rewards are scored (and streamed) but constant."""

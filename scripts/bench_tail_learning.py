@@ -25,6 +25,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
+OUTPUTS = ("bench_tail_learning.json", "bench_tail_learning.png")  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def run(run_dir: Path, extra: list[str]) -> list[dict]:
     env = dict(os.environ)

@@ -45,16 +45,27 @@ why lr = 1e-3 and eps = 1e-5 make this comparison well conditioned).
 Timing: warm-up runs (untimed) of both, then `--repeats` interleaved repeats (jaxrl, torch, jaxrl,
 torch, ...) so both see the same machine state; the best and the median are kept (`jaxrl_s`/`torch_s`
 are the best, `ratio = torch_s / jaxrl_s`). XLA compilations during the timed loop are counted
-(`jaxrl.runtime.CompileCounter`; must be 0). FLOPs per step (model FLOPs, PaLM appendix B convention):
+(`jaxrl.runtime.CompileCounter`; must be 0). FLOPs per step (`step_flops`; forward + backward = 3 × the
+forward's 2 FLOPs per multiply-add, each computation counted once):
 
-    6 · N_layers_matmul · T  +  6 · hidden · vocab · T  +  12 · layers · heads · head_dim · S · T
+    6 · N_layers_matmul · T  +  6 · hidden · vocab · T  +  12 · layers · heads · head_dim · rows · P(S)
 
-with T the batch's tokens, S the row length, N_layers_matmul the decoder layers' projection weights
-(norms left out, the embedding lookup is free), the lm_head as a matmul (tied or not), and attention's
-QKᵀ and PV counted over the full S × S square, not halved for the causal mask. jaxrl's chunked log-prob
-kernel recomputes the lm_head tiles in its backward (one more 2·hidden·vocab·T), uncounted: it is the
-cost of never holding [T, vocab] logits. `peak_fraction = jaxrl_gflops / peak_gflops.float32` from
-`scripts/bench_peak.py`'s `load_peak()`.
+with T = rows · S the batch's tokens, S the row length, N_layers_matmul the decoder layers' projection
+weights (norms left out, the embedding lookup is free), the lm_head as a matmul (tied or not), and P(S)
+the (query, key) score entries per row that attention's QKᵀ and PV compute, causally, as the kernel the
+step runs computes them (`kernels.attention.attention_chunked`, query chunks of b = `BlockSizes().
+block_q_xla` = 128 rows, each over only the keys its causal bound reaches: the diagonal chunk in full,
+the strictly-lower chunks, never a fully masked one). With S = n · b + r (0 ≤ r < b):
+
+    P(S) = b² · n(n + 1)/2  +  r · S        (S ≤ b: one chunk, the full S² square)
+
+i.e. S(S + b)/2 when b divides S: 589 824 = 0.5625 · S² at S = 1024, and 82² (the whole square, masked
+half included, as computed) at S = 82; `causal_pairs`. Uncounted work the step also does: jaxrl's
+chunked log-prob kernel recomputes the lm_head tiles in its backward (one more 2·hidden·vocab·T: the
+cost of never holding [T, vocab] logits), and remat "dots" recomputes the attention scores and PV in
+the backward (one more 4 · layers · heads · head_dim · rows · P(S)). `torch_gflops` divides the same count
+by torch's time, whatever its sdpa kernel computes. `peak_fraction = jaxrl_gflops / peak_gflops.float32`
+from `scripts/bench_peak.py`'s `load_peak()`.
 
 Memory: the jaxrl step's compiled temp bytes are checked against `--mem-budget-gib` before it runs; over
 the budget it falls back to remat "layer", and the row
@@ -95,6 +106,7 @@ from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.train.step import LossSpec, make_logprob_fn, make_train_step  # noqa: E402
 
 from bench_train_torch import TorchStep, hf_tensors, torch_batch, torch_model, torch_tensors, unpack  # noqa: E402
+from kernels.attention import BlockSizes  # noqa: E402
 from models import ModelConfig, init  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -111,6 +123,8 @@ MODELS = {
 QUICK_MODELS = {"tiny": ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1_000_000.0,
                                     max_position_embeddings=256, qk_norm=True, tie_embeddings=True)}
+
+OUTPUTS = ("bench_train.json",)  # its files in scripts/results/ (tests/test_docs.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +144,15 @@ class BatchShape:
 
 BATCHES = (BatchShape("32x82", 32, 18, 64, 8), BatchShape("8x1024", 8, 256, 768, 4))
 QUICK_BATCHES = (BatchShape("4x24", 4, 8, 16, 2),)
+
+ATTENTION_BLOCK_Q = BlockSizes().block_q_xla      # the query chunk of the step's attention (attention_impl "xla")
+FLOPS_FORMULA = (
+    "6*N_layers_matmul*T + 6*hidden*vocab*T + 12*layers*heads*head_dim*rows*P(S), T = rows*S tokens, S row "
+    "length; P(S) = (query, key) score entries per row that attention_chunked computes causally with query "
+    f"chunks of b = {ATTENTION_BLOCK_Q} (diagonal chunks in full, strictly-lower chunks, masked chunks skipped): "
+    "P(S) = b^2*n(n+1)/2 + r*S for S = n*b + r, 0 <= r < b (S(S+b)/2 when b divides S; S^2 when S <= b); "
+    "norms, the embedding lookup, the log-prob kernel's lm_head recompute and remat's attention recompute not "
+    "counted")
 
 SPEC = LossSpec(kind="rl", clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k3")
 # lr and eps make the weight comparison well conditioned (timing does not depend on them): Adam's first step
@@ -301,14 +324,32 @@ def agreement(name: str, cfg: ModelConfig, quick: bool) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------- timing
 
+def causal_pairs(seq_len: int, block_q: int = ATTENTION_BLOCK_Q) -> int:
+    """(query, key) score entries `attention_chunked` computes for one causal row of `seq_len` tokens
+    (module docstring): query chunk [t0, t1) attends keys [0, t1); one chunk (the full square) when
+    seq_len <= block_q. Closed form b² · n(n+1)/2 + r · S for S = n · b + r."""
+    if seq_len <= block_q:
+        return seq_len * seq_len
+    n, r = divmod(seq_len, block_q)
+    return block_q * block_q * n * (n + 1) // 2 + r * seq_len
+
+
 def step_flops(cfg: ModelConfig, tokens: int, seq_len: int) -> dict:
-    """Model FLOPs of one train step (module docstring): dense layers, lm_head, attention."""
+    """FLOPs of one train step on `tokens` tokens in rows of `seq_len` (module docstring): dense layers, lm_head,
+    causal attention as `attention_chunked` computes it."""
+    if SPEC.attention_impl != "xla":
+        raise ValueError(f"causal_pairs counts attention_chunked's work; the step runs {SPEC.attention_impl!r}")
+    if tokens % seq_len:
+        raise ValueError(f"{tokens} tokens do not fill rows of {seq_len}")
     h, d = cfg.hidden_size, cfg.head_dim
+    rows, pairs = tokens // seq_len, causal_pairs(seq_len)
     layer = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
     out = {"dense": 6 * cfg.num_layers * layer * tokens, "lm_head": 6 * h * cfg.vocab_size * tokens,
-           "attention": 12 * cfg.num_layers * cfg.num_heads * d * seq_len * tokens}
+           "attention": 12 * cfg.num_layers * cfg.num_heads * d * rows * pairs}
     out["total"] = sum(out.values())
     out["params_nonembedding_matmul"] = cfg.num_layers * layer
+    out["attention_pairs_per_row"] = pairs
+    out["attention_block_q"] = ATTENTION_BLOCK_Q
     return out
 
 
@@ -454,9 +495,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "batches": [dataclasses.asdict(b) for b in args.batch_shapes],
                      "timing": "interleaved jaxrl/torch repeats after untimed warm-up; "
                                "*_s = best, *_median_s = median"},
-        "flops_formula": "6*N_layers_matmul*T + 6*hidden*vocab*T + 12*layers*heads*head_dim*S*T "
-                         "(T tokens, S row length; attention over the full SxS square, not halved for causal; "
-                         "norms and the embedding lookup not counted)",
+        "flops_formula": FLOPS_FORMULA,
         "peak_gflops_float32": peak, "peak_source": peak_path,
         "loadavg_before": load_before,
     }
@@ -476,9 +515,10 @@ def main(argv: list[str] | None = None) -> dict:
         "agreement batch packs ragged sequences several to a row on the jaxrl side, the timed batches hold one "
         "sequence per row so both sides do the same work. Reference log-probs are inputs of both steps (computed "
         "before, untimed). torch computes full [T, vocab] logits; jaxrl uses the chunked log-prob kernel, whose "
-        "backward recomputes the lm_head tiles (not counted in the FLOPs). `remat` says which trainer.remat policy "
-        "the jaxrl step ran with (the trainer's default; 'layer' only above --mem-budget-gib). CPU figures: only the "
-        "side-by-side ratio means much; see loadavg_* for how busy the machine was."
+        "backward recomputes the lm_head tiles (not counted in the FLOPs); attention FLOPs are the causal score "
+        "entries attention_chunked computes (flops_formula), not the full square. `remat` says which trainer.remat "
+        "policy the jaxrl step ran with (the trainer's default; 'layer' only above --mem-budget-gib). CPU figures: "
+        "only the side-by-side ratio means much; see loadavg_* for how busy the machine was."
         + ("" if passed else " AGREEMENT FAILED: nothing was timed."))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -43,6 +43,8 @@ MODEL = ModelConfig(architecture="qwen3", vocab_size=32000, hidden_size=512, int
                     tie_embeddings=False)
 SPEC = LossSpec(clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.001)
 
+OUTPUTS = ("bench_train_memory.json",)  # its files in scripts/results/ (tests/test_docs.py)
+
 
 def abstract_batch(tokens: int) -> dict:
     i32 = jax.ShapeDtypeStruct((1, tokens), jnp.int32)

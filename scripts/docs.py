@@ -99,10 +99,10 @@ QUICKSTART = "quickstart.json"
 @renders("quickstart")
 def quickstart() -> str:
     if not (RESULTS / QUICKSTART).exists():
-        return ("**Not measured on this release yet:** run `scripts/venv.sh python -m jaxrl.train` and copy "
-                "`runs/quickstart/summary.json` to `scripts/results/quickstart.json`, then "
-                "`scripts/venv.sh python scripts/docs.py`. (The last hand-typed figures are in the "
-                "[changelog](docs/CHANGELOG.md).)")
+        return ("**Not measured on this release yet:** run `scripts/venv.sh python scripts/quickstart_results.py "
+                "quickstart` (it runs `python -m jaxrl.train` and copies `runs/quickstart/summary.json` to "
+                "`scripts/results/quickstart.json`), then `scripts/venv.sh python scripts/docs.py`. (The last "
+                "hand-typed figures are in the [changelog](docs/CHANGELOG.md).)")
     q = load(QUICKSTART)
     k, n = q["window_steps"], q["steps"]
     wall = q["wall_s"]
@@ -125,6 +125,56 @@ def quickstart() -> str:
         ["XLA compilations after RL step 0", f"{q.get('compiles_after_step0', 0):.0f}"],
     ]
     return table(["figure", "value"], "ll", rows) + "\n\n" + footer(QUICKSTART)
+
+
+@renders("quickstart-output")
+def quickstart_output() -> str:
+    """The end of the quickstart's console output, its first line from the same summary as the table."""
+    q = load(QUICKSTART)
+    k, first, last = q["window_steps"], q["first_step"], q["last_step"]
+    run = "/home/me/jaxrl/runs/quickstart"
+    lines = [f"[train] reward mean: first {k} steps {q['reward_mean_first']:.3f} -> last {k} steps "
+             f"{q['reward_mean_last']:.3f} (steps {first}-{last})",
+             f"[train] outputs in {run}:",
+             f"[train]   metrics.jsonl          per-step metrics ({q['steps']} steps)",
+             "[train]   curves.png             reward and response-length curves",
+             "[train]   config.yaml            the config this run started with",
+             f"[train]   checkpoints/{q['steps']}        newest checkpoint; the same command resumes from it",
+             f"[train]   hf                     Hugging Face checkpoint: python -m jaxrl.generate model.hf_path={run}/hf",
+             f"[train]   TensorBoard            tensorboard --logdir {run}/tb"]
+    return "```text\n" + "\n".join(lines) + "\n```"
+
+
+PPO_QUICKSTART = "ppo_quickstart.json"
+
+
+@renders("ppo-quickstart")
+def ppo_quickstart() -> str:
+    """PPO (`algo.advantage=gae`) beside GRPO (the quickstart): both summaries from scripts/quickstart_results.py."""
+    p, g = load(PPO_QUICKSTART), load(QUICKSTART)
+    f = lambda x, spec: "–" if x is None else format(x, spec)        # noqa: E731
+
+    def span(q, key, spec):
+        return f"{f(q.get(key + '_first'), spec)} → {f(q.get(key + '_last'), spec)}"
+
+    def step(q):
+        return (f"{f(q['step_seconds_median'], '.2f')} s (rollout {f(q['rollout_s_median'], '.2f')} s + update "
+                f"{f(q['train_s_median'], '.2f')} s)")
+
+    rows = [["command", f"`{p['command']}`", f"`{g['command']}`"],
+            ["RL steps (steps in each 20% window)", f"{p['steps']} ({p['window_steps']})",
+             f"{g['steps']} ({g['window_steps']})"],
+            ["mean reward, first 20% → last 20%", span(p, "reward_mean", ".3f"), span(g, "reward_mean", ".3f")],
+            ["pass rate (exact answers), first 20% → last 20%", span(p, "pass_rate", ".3f"),
+             span(g, "pass_rate", ".3f")],
+            ["critic explained variance, first 20% → last 20%", span(p, "critic_explained_var", ".2f"),
+             "– (no critic)"],
+            ["RL step, median", step(p), step(g)],
+            ["XLA compilations after RL step 0", f(p.get("compiles_after_step0"), ".0f"),
+             f(g.get("compiles_after_step0"), ".0f")]]
+    note = f"\n\n`{PPO_QUICKSTART}`: {p['note']}" if p.get("note") else ""
+    return (table(["figure", "PPO", "GRPO (the quickstart)"], "lll", rows) + note + "\n\n"
+            + footer(PPO_QUICKSTART, QUICKSTART, who=f"PPO: {machine(p)}; GRPO: {machine(g)}"))
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -151,8 +201,32 @@ def train_throughput() -> str:
             seen.add(r["shape"])
         rows.append([label, f"{r['rows']} × {r['seq_len']}", f"{r['jaxrl_s']:.2f}", f"{r['torch_s']:.2f}",
                      f"{r['ratio']:.2f}×", f"{r['jaxrl_gflops']:.0f}", pct(r["peak_fraction"])])
+    load_avg = lambda x: "not recorded" if x is None else f"{x[0]:.2f}"      # noqa: E731
+    how = (f"GFLOP/s = FLOPs per step ÷ jaxrl s, FLOPs as the JSON's `flops_formula` says (attention: the causal "
+           f"(query, key) entries the chunked kernel computes, {d['rows'][0]['flops']['attention_block_q']}-row "
+           f"query chunks); of peak = GFLOP/s ÷ {d['peak_gflops_float32']:.1f} GFLOP/s (float32, `bench_peak.py`). "
+           f"Load average (1 min) before / after the run: {load_avg(d['loadavg_before'])} / "
+           f"{load_avg(d['loadavg_after'])}.") if d["rows"] else ""
     return (table(["model", "batch (rows × tokens)", "jaxrl s", "torch s", "speed-up", "jaxrl GFLOP/s", "of peak"],
-                  "llrrrrr", rows) + "\n\n" + footer("bench_train.json"))
+                  "llrrrrr", rows) + "\n\n" + how + "\n\n" + footer("bench_train.json"))
+
+
+# The Throughput issue's targets for the train step, at the 58M shape.
+TRAIN_TARGETS = {"shape": "58m", "ratio": 1.5, "peak_fraction": 0.70}
+
+
+@renders("train-targets")
+def train_targets() -> str:
+    """Each target met or not, and the fraction of peak jaxrl would need to be `ratio` × torch (same FLOPs)."""
+    d, t = load("bench_train.json"), TRAIN_TARGETS
+    ok = lambda good: "✓" if good else "✗"                               # noqa: E731
+    rows = [[f"{r['rows']} × {r['seq_len']}", f"{r['ratio']:.2f}× {ok(r['ratio'] >= t['ratio'])}",
+             f"{pct(r['peak_fraction'])} {ok(r['peak_fraction'] >= t['peak_fraction'])}",
+             pct(t["ratio"] * r["torch_gflops"] / d["peak_gflops_float32"])]
+            for r in d["rows"] if r["shape"] == t["shape"]]
+    return (table([f"{t['shape'].upper()}, batch", f"speed-up (target ≥ {t['ratio']:g}×)",
+                   f"of peak (target ≥ {pct(t['peak_fraction'])})", f"of peak {t['ratio']:g}× torch would need"],
+                  "lrrr", rows) + "\n\n" + footer("bench_train.json"))
 
 
 @renders("blockwise")
@@ -396,6 +470,41 @@ def sim_streamrl() -> str:
 def sim_distflow() -> str:
     b, d = _sim()
     return _sim_block(b.sweep_table(d["distflow_qwen25_7b_h100"]["summary"], ["baseline", "distflow"]))
+
+
+SIM_FIT = "sim_fit.json"
+
+
+def _sim_fit_footer(d: dict) -> str:
+    return (f"*Computed from the code and the committed simulator runs (`scripts/results/{SIM}`); no figure "
+            f"depends on the machine that computed it ({machine(d)}). Rendered from `scripts/results/{SIM_FIT}` "
+            f"by `scripts/docs.py`.*")
+
+
+@renders("sim-fit-fitted")
+def sim_fit_fitted() -> str:
+    d = load(SIM_FIT)
+    def used(points):
+        by = {}
+        for p in points:
+            by.setdefault((p["paper"], p["where"], p["units"]), []).append(f"{p['value']:g}")
+        return "; ".join(f"{paper} {where}: {', '.join(v)} {units}" for (paper, where, units), v in by.items())
+
+    rows = [[f"`{f['constant']}`", f"{f['value']:.4g}", f"{f['in_use']:.4g}", f"{f['in_use_vs_fit']:+.1%}"
+             + (" (stale)" if f["tolerance"].startswith("stale") else ""), used(f["points"])] for f in d["fitted"]]
+    return (table(["constant", "fitted", "in use", "in use vs fit", "points it is fitted to"], "lrrrl", rows)
+            + "\n\n" + _sim_fit_footer(d))
+
+
+@renders("sim-fit-held-out")
+def sim_fit_held_out() -> str:
+    d = load(SIM_FIT)
+    rows = [[h["what"], f"{h['paper']} {h['figure']}", f"{h['published']:g} {h['units']}", f"{h['simulated']:.3g}",
+             f"`{h['simulated_by']}`", f"{h['rel_error']:+.1%}", h["verdict"]] for h in d["held_out"]]
+    within = sum(abs(h["rel_error"]) <= 0.15 for h in d["held_out"])
+    return (table(["point", "paper, figure", "published", "simulated", "simulated by", "error", "verdict"],
+                  "llrrlrl", rows)
+            + f"\n\n{within} of {len(rows)} held-out points within 15%.\n\n" + _sim_fit_footer(d))
 
 
 # -------------------------------------------------------------------------------------------- reference

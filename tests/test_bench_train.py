@@ -1,17 +1,26 @@
 """scripts/bench_train.py (smoke, `--quick`): the JSON's structure, a real jaxrl-vs-torch agreement, positive
 finite times, no compilation while timing; the agreement check rejects perturbed weights and a failed
-agreement times nothing (no timing asserts)."""
+agreement times nothing (no timing asserts). The attention FLOP count is checked against two independent
+counts (the causal mask's visible columns per query chunk, by brute force, and the dot FLOPs in the traced
+forward and backward of `attention_chunked` itself), and the committed scripts/results/bench_train.json
+against the formula and its own arithmetic (GFLOP/s = FLOPs / seconds, peak fraction = GFLOP/s / peak)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels.attention import BlockSizes, attention_chunked
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+COMMITTED = SCRIPT.parent / "results" / "bench_train.json"
 
 
 def _load():
@@ -39,7 +48,7 @@ def test_quick_run_writes_json(quick):
     assert got == json.loads(json.dumps(returned))
     assert {"cpu", "cores", "jax", "torch", "transformers", "torch_threads"} <= set(got["machine"])
     assert got["machine"]["torch_threads"] == 2
-    assert "flops_formula" in got and got["note"] and got["settings"]["repeats"] == 1
+    assert got["flops_formula"] == mod.FLOPS_FORMULA and got["note"] and got["settings"]["repeats"] == 1
     assert got["peak_gflops_float32"] is None or _positive(got["peak_gflops_float32"])
     for key in ("loadavg_before", "loadavg_after"):
         assert got[key] is None or (len(got[key]) == 3 and all(x >= 0 for x in got[key]))
@@ -54,7 +63,9 @@ def test_quick_run_writes_json(quick):
         assert r["tokens"] == 4 * 24 and r["remat"] == mod.TrainerSection().remat
         assert math.isclose(r["jaxrl_gflops"], r["flops"]["total"] / r["jaxrl_s"] / 1e9)
         assert r["flops"]["total"] == r["flops"]["dense"] + r["flops"]["lm_head"] + r["flops"]["attention"]
-        assert r["peak_fraction"] is None or _positive(r["peak_fraction"])
+        assert r["flops"] == mod.step_flops(mod.QUICK_MODELS["tiny"], 4 * 24, 24)
+        peak = got["peak_gflops_float32"]
+        assert r["peak_fraction"] is None or math.isclose(r["peak_fraction"], r["jaxrl_gflops"] / peak)
         assert r["compiles_during_timing"] == 0
         assert len(r["jaxrl_times_s"]) == len(r["torch_times_s"]) == 1
     assert got["compiles_during_timing"] == 0
@@ -117,3 +128,89 @@ def test_failed_agreement_times_nothing(tmp_path, monkeypatch):
     got = json.loads(out.read_text())
     assert not got["agreement"]["passed"] and got["rows"] == []
     assert all("logp max abs diff" in f for c in got["agreement"]["cases"] for f in c["failures"])
+
+
+# ------------------------------------------------------------------------------------------ FLOP count
+
+def _brute_pairs(S: int, b: int) -> int:
+    """Score entries a query-chunked causal attention computes on one row: each chunk of `b` query rows times
+    the key columns any of its queries can see (a chunk's fully masked columns skipped); S <= b is one chunk."""
+    visible = np.tril(np.ones((S, S), bool))
+    return sum((min(S, t0 + b) - t0) * int(visible[t0:t0 + b].any(axis=0).sum()) for t0 in range(0, S, b))
+
+
+def _dot_flops(jaxpr) -> int:
+    """2 · multiply-adds of every dot_general in a jaxpr, nested jaxprs (pjit, custom_jvp, ...) included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _dot_flops(inner)
+    return total
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return _load()
+
+
+def test_causal_pairs_brute_force(mod):
+    assert mod.ATTENTION_BLOCK_Q == BlockSizes().block_q_xla          # the chunk the step's attention runs with
+    for b in (16, 32, 128):
+        for S in (1, 5, b - 1, b, b + 1, 2 * b, 3 * b - 7, 82, 130, 1024):
+            got = mod.causal_pairs(S, b)
+            assert got == _brute_pairs(S, b), (S, b)
+            assert S * (S + 1) // 2 <= got <= S * S
+            if S <= b:
+                assert got == S * S
+            elif S % b == 0:
+                assert got == S * (S + b) // 2
+    assert mod.causal_pairs(1024) == 1024 * (1024 + 128) // 2 == 589824       # 0.5625 of the square
+    assert mod.causal_pairs(82) == 82 * 82                                       # one chunk: the square
+
+
+@pytest.mark.parametrize("S,b", [(40, 16), (48, 16), (12, 16), (1024, 128)])
+def test_attention_term_equals_the_kernels_dot_flops(mod, S, b):
+    """The traced forward and backward of attention_chunked (one row, one query head) do exactly
+    12 · head_dim · causal_pairs(S) FLOPs of dots: the per-(row, layer, head) unit of step_flops' term."""
+    D = 8
+    q = k = v = jax.ShapeDtypeStruct((1, S, 1, D), jnp.float32)
+    fwd = jax.make_jaxpr(lambda q, k, v: attention_chunked(q, k, v, block_q=b))(q, k, v)
+    both = jax.make_jaxpr(jax.grad(lambda q, k, v: attention_chunked(q, k, v, block_q=b).sum(),
+                                   argnums=(0, 1, 2)))(q, k, v)
+    assert _dot_flops(fwd.jaxpr) == 4 * D * mod.causal_pairs(S, b)
+    assert _dot_flops(both.jaxpr) == 12 * D * mod.causal_pairs(S, b)
+
+
+def test_step_flops_attention_is_causal(mod):
+    cfg = mod.MODELS["58m"]
+    f = mod.step_flops(cfg, 8 * 1024, 1024)
+    assert f["attention"] == 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 8 * 589824
+    assert f["attention_pairs_per_row"] == 589824 and f["attention_block_q"] == 128
+    assert f["total"] == f["dense"] + f["lm_head"] + f["attention"]
+    assert "P(S) = b^2*n(n+1)/2 + r*S" in mod.FLOPS_FORMULA and "b = 128" in mod.FLOPS_FORMULA
+
+
+def test_committed_json_relations(mod):
+    """scripts/results/bench_train.json: counted with the causal formula, and its figures follow from each other."""
+    d = json.loads(COMMITTED.read_text())
+    assert d["flops_formula"] == mod.FLOPS_FORMULA and d["agreement"]["passed"] and d["rows"]
+    peak = d["peak_gflops_float32"]
+    assert peak and peak > 0
+    for r in d["rows"]:
+        cfg = mod.MODELS[r["shape"]]
+        assert d["settings"]["models"][r["shape"]] == dataclasses.asdict(cfg)
+        assert r["flops"] == mod.step_flops(cfg, r["tokens"], r["seq_len"]), (r["shape"], r["batch"])
+        assert r["tokens"] == r["rows"] * r["seq_len"] and r["compiles_during_timing"] == 0
+        assert r["jaxrl_s"] == min(r["jaxrl_times_s"]) and r["torch_s"] == min(r["torch_times_s"])
+        assert math.isclose(r["gflop_per_step"], r["flops"]["total"] / 1e9)
+        assert math.isclose(r["jaxrl_gflops"], r["flops"]["total"] / r["jaxrl_s"] / 1e9)
+        assert math.isclose(r["torch_gflops"], r["flops"]["total"] / r["torch_s"] / 1e9)
+        assert math.isclose(r["peak_fraction"], r["jaxrl_gflops"] / peak)
+        assert math.isclose(r["ratio"], r["torch_s"] / r["jaxrl_s"])

@@ -1,13 +1,16 @@
 """Docs that cannot drift: the site builds with `mkdocs build --strict` (a broken link or anchor, or a page
 missing from the nav, fails), every rendered table equals what scripts/docs.py renders from scripts/results/
-now, and the README stays a front page (the two commands first, at most 250 lines)."""
+now, every file in scripts/results/ is named by one script's `OUTPUTS`, and the README stays a front page (the
+two commands first, at most 250 lines)."""
 
+import ast
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,33 @@ def test_quickstart_table_from_summary_json(tmp_path, monkeypatch):
     assert "Machine: " in text and "not recorded" not in text
     (results / "quickstart.json").unlink()
     assert "Not measured on this release yet" in docs.RENDERERS["quickstart"]()
+
+
+def _declared_outputs() -> dict[str, tuple[str, ...]]:
+    """{script name: its module-level `OUTPUTS`} for scripts/*.py, read with `ast` (nothing is imported)."""
+    out = {}
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "OUTPUTS" for t in node.targets):
+                out[path.name] = ast.literal_eval(node.value)
+    return out
+
+
+def test_every_result_file_is_written_by_a_script():
+    """Each file in scripts/results/ matches exactly one script's OUTPUTS (names or glob patterns), each pattern
+    matches a file there, and docs/benchmarks.md's table names every such script."""
+    declared = _declared_outputs()
+    assert all(isinstance(v, tuple) and v and all(isinstance(x, str) for x in v) for v in declared.values())
+    files = sorted(p.name for p in docs.RESULTS.iterdir() if p.is_file())
+    writers = {f: [s for s, pats in declared.items() if any(fnmatch(f, pat) for pat in pats)] for f in files}
+    orphans = [f for f, w in writers.items() if not w]
+    assert not orphans, f"scripts/results/ files no script in scripts/ names in its OUTPUTS: {orphans}"
+    shared = {f: w for f, w in writers.items() if len(w) > 1}
+    assert not shared, f"files named by several scripts: {shared}"
+    unmatched = [(s, pat) for s, pats in declared.items() for pat in pats if not any(fnmatch(f, pat) for f in files)]
+    assert not unmatched, f"OUTPUTS naming no file in scripts/results/: {unmatched}"
+    table = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert not [s for s in declared if f"`{s}`" not in table], "docs/benchmarks.md's table misses a script"
 
 
 def test_machine_line():

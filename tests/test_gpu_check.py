@@ -110,11 +110,14 @@ def test_fractions_are_achieved_over_the_measured_peak(smoke):
 
     step = secs["train"]["cases"]["jax_step"]
     f = step["flops"]
-    assert _close(f["total_causal"], f["total"] - f["attention"] / 2) and f["attention"] > 0
+    S, rows = step["seq_len"], step["rows"]       # causal as computed vs the full S x S square
+    assert f["total_causal"] == f["total"] and f["attention"] > 0
+    assert f["total_full_square"] - f["total"] == f["attention"] // f["attention_pairs_per_row"] * (S * S) - f["attention"]
+    assert f["attention_pairs_per_row"] <= S * S and f["attention"] % (rows * f["attention_pairs_per_row"]) == 0
     assert step["peak_gflops"] == env["info"]["peak_gflops"][step["dtype"]]
     assert _close(step["achieved_gflops"], f["total_causal"] / step["step_s"] / 1e9)
     assert _close(step["mfu"], step["achieved_gflops"] / step["peak_gflops"])
-    assert _close(step["mfu_full_square"], f["total"] / step["step_s"] / 1e9 / step["peak_gflops"])
+    assert _close(step["mfu_full_square"], f["total_full_square"] / step["step_s"] / 1e9 / step["peak_gflops"])
 
     mem = [c for k, c in secs["memory"]["cases"].items() if k.startswith("compiled/")]
     assert mem

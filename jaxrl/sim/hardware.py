@@ -13,15 +13,18 @@ Fitted: PAT's Fig. 4 gives four decode latencies of Llama-3.1-8B
 9.64 ms at TP8; a global batch of 128, 24.41 ms at TP2x4 and 30.87 ms at TP8. With the decode model of
 `cost.AnalyticCost` (weights and KV read at `hbm_efficiency` x bandwidth, two ring all-reduces per layer of
 `2(tp-1)` hops of `hop_latency_s` plus their bytes at `allreduce_bw`), the four points fix four unknowns
-exactly (Newton's method; tests/test_sim.py re-checks them): the HBM efficiency (0.746, which absorbs the
+exactly (Newton's method: `fit.fit_pat_fig4`; tests/test_sim_fit.py checks these values are its result): the HBM efficiency (0.746, which absorbs the
 per-step fixed costs), the hop latency (6.6 us), the PCIe all-reduce bus bandwidth (8.23 GB/s) and the
 batch-128 points' context length, which the paper does not state (1,750 tokens). The Hopper presets keep the fitted
 HBM efficiency; on NVSwitch a small all-reduce is one step (the one-shot / NVLS all-reduces of NCCL and of
 the inference engines' custom kernels), so it costs a flat 8 us (a rule of thumb for 8 GPUs, a parameter)
 instead of ring hops, and its bytes move at 80% of the per-direction line rate (NCCL's usual large-message
-efficiency); their end-to-end figures are checked against PAT's 8xH100 runs in
-the README ("At cluster scale"), not fitted to them.
+efficiency). Their end-to-end figures are not fitted to PAT's 8xH100 runs except through `train_mfu`
+(below): docs/simulator.md holds the held-out points no fit uses (`heldout.py`).
 
+`train_mfu` and `SimConfig.cluster.driver_s_per_token` are fitted jointly by `fit.fit_step_constants` (0.241
+and 1.20e-5 s/token today); the values in use below were fitted one after the other, as follows, against an
+older FLOP count, and stay until the cluster results are re-simulated (`fit.STALE` records the gap).
 `train_mfu` (model FLOPs of the policy update, reference and old log-prob forwards over the step's tokens,
 divided by peak x devices x time) is fitted to PAT's 8xH100 Llama-3.1-8B 24K step: 172.5 s in all, 134.3 s of
 generation, so 38.2 s outside generation for ~443K generated tokens; less the reward, the sync and the single
