@@ -1,7 +1,8 @@
 """Write the composition table (`jaxrl.config.composition`): every mechanism's declaration and, for every pair,
 whether the trainer's config checks accept it or the key and reason of the refusal.
 
-    scripts/venv.sh python scripts/composition.py                 # -> scripts/results/composition.json
+    scripts/venv.sh python scripts/composition.py                 # -> scripts/results/composition.json,
+                                                                  #    configs/all_mechanisms{,_async}.yaml
     scripts/venv.sh python scripts/docs.py                        # -> docs/composition.md
 
 tests/test_composition.py recomputes the table from the code and fails when the JSON differs.
@@ -13,9 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxrl.config.composition import BASE, MECHANISMS, pair_matrix
+from jaxrl.config.composition import BASE, MECHANISMS, RECIPES, pair_matrix, recipe_yaml
 
 OUT = Path(__file__).resolve().parent / "results" / "composition.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+OUTPUTS = ("composition.json",)  # its files in scripts/results/ (tests/test_docs.py)
 
 
 def table() -> dict:
@@ -35,6 +39,9 @@ def main(argv=None) -> int:
     t = table()
     args.out.write_text(json.dumps(t, indent=1) + "\n")
     print(f"{t['refused']} of {t['total']} pairs refused -> {args.out}")
+    for name in RECIPES:
+        (CONFIGS / f"{name}.yaml").write_text(recipe_yaml(name))
+        print(f"recipe {name} -> {CONFIGS / name}.yaml")
     return 0
 
 

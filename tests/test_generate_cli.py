@@ -5,6 +5,7 @@ import json
 import pytest
 
 from jaxrl.generate import main
+from tests.pat_profiles import forcing_profile
 
 
 def test_cli_round_trip(tmp_path):
@@ -88,8 +89,6 @@ def test_service_refuses_a_request_longer_than_max_seq_len():
 def test_cli_with_adaptive_tp_switches_and_keeps_the_tokens(tmp_path):
     """`python -m jaxrl.generate` with engine.adaptive_tp on a profile that forces tp1x8 -> tp4x2: the same
     completions as the static layout, and the decisions written beside the output."""
-    from tests.test_tp_switch import forcing_profile
-
     prof = forcing_profile("large")
     prof.key["devices"] = 8
     prof.save(tmp_path / "prof.json")

@@ -2,6 +2,7 @@
 inline stream), the one-step-async buffer and staleness, stage balancing and the dynamic scale-up."""
 
 import dataclasses
+import json
 import time
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 from jaxrl.config.placement import StageBalanceSection
 from jaxrl.rollout import Completion, RolloutService, SamplingParams
+from jaxrl.rollout.tail_batching import RoundPlan
 from jaxrl.train.balance import ScaleUp, best_split, scale_up_due, scaled
 from jaxrl.train.pipeline import Prefetched, Timeline, TrainWorker, check_staleness, split_devices
 from models import PRESETS, init
@@ -60,8 +62,14 @@ def test_prefetched_round_trips():
     p = Prefetched(4, 3, [{"index": 7, "prompt": "x", "answer": "y", "task": "copy"}], [c],
                    np.asarray([0.25], np.float32), {"items": 1, "rollout_s": 0.5, "accepted": [0]})
     q = Prefetched.from_state(p.state_dict())
-    assert (q.step, q.version, q.rows, q.stats) == (4, 3, p.rows, p.stats)
+    assert (q.step, q.version, q.rows, q.stats, q.plan) == (4, 3, p.rows, p.stats, None)
     assert q.completions[0] == c and q.rewards.tolist() == [0.25]
+    # tail batching's round plan and the rollout side's metrics (one-step-async with tail batching, the planner)
+    p.plan = RoundPlan("short", p.rows, 5, 4, 8, [0])
+    p.stats["mechanisms"] = {"tail/queue_len": 4, "planner/tp": np.int64(2), "pat/switch_s": 0.5}
+    q = Prefetched.from_state(json.loads(json.dumps(p.state_dict())))
+    assert q.plan == p.plan and q.stats["mechanisms"] == {"tail/queue_len": 4, "planner/tp": 2, "pat/switch_s": 0.5}
+    assert type(q.stats["mechanisms"]["planner/tp"]) is int
 
 
 def test_best_split_minimises_the_slower_stage():
@@ -161,10 +169,10 @@ def test_split_from_a_runs_stage_times(tmp_path):
     (["placement=sideways"], "valid choices"),
     (["placement=disaggregated", "trainer.stream.enabled=true", "engine.instances=2"], "own devices"),
     (["placement=disaggregated", "trainer.micro_batch_tokens=null"], "fixed-shape"),
-    (["placement=disaggregated", "trainer.async_steps=1", "rollout.tail_batching.enabled=true"], "race"),
     (["placement=disaggregated", "trainer.async_steps=1", "distributed.num_processes=2"], "one process"),
     (["placement=disaggregated", "stage_balance.scale_up=true"], "spare devices"),
-    (["placement=disaggregated", "trainer.backward=blockwise", "trainer.kv_source=rollout"], "per streamed group"),
+    (["placement=disaggregated", "trainer.async_steps=1", "trainer.backward=blockwise", "trainer.kv_source=rollout"],
+     "another policy's"),
     (["stage_balance.scale_up=true", "stage_balance.max_instances=2"], "needs placement=disaggregated"),
 ])
 def test_placement_config_refusals(args, match):

@@ -22,7 +22,7 @@ from jaxrl.sim.cost import AnalyticCost
 from jaxrl.sim.engine import Clock, SimService
 from jaxrl.sim.hardware import gpu
 from models import PRESETS, init
-from tests.test_tp_switch import forcing_profile
+from tests.pat_profiles import forcing_profile
 
 CFG = PRESETS["tiny-qwen3"]
 LENGTHS = (7, 19, 3, 26, 12, 9, 30, 15)             # each prompt's max_new_tokens (its responses' length)

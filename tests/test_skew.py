@@ -130,6 +130,9 @@ def test_choose_split_is_the_brute_force_minimum(seed):
                                          rel=1e-9)
     assert best.seconds == min(c.seconds for c in costs)
     assert 0 <= best.n_long <= min(instances - 1, long_seqs)
+    capped, capped_costs = choose_split(long_seqs, reg_seqs, instances, cap, ptl, l_long, l_reg, max_long=1)
+    assert capped.n_long <= 1 and capped.seconds == min(c.seconds for c in costs if c.n_long <= 1)
+    assert capped_costs == [c for c in costs if c.n_long <= 1]
 
 
 def test_dedicated_long_instances_win_when_batch_slows_decoding():
@@ -194,8 +197,7 @@ def test_skew_config_refuses_what_undoes_the_placement():
     with pytest.raises(ConfigError, match="merges and redeals"):
         load_config(TrainConfig, ["rollout.skew.enabled=true", "engine.adaptive_tp.enabled=true",
                                         "engine.adaptive_tp.profile=p.json"])
-    with pytest.raises(ConfigError, match="takes instances out"):
-        load_config(TrainConfig, ["rollout.skew.enabled=true", "trainer.stream.enabled=true", "engine.instances=2"])
+    load_config(TrainConfig, ["rollout.skew.enabled=true", "trainer.stream.enabled=true", "engine.instances=2"])
     with pytest.raises(ConfigError, match="alpha"):
         load_config(TrainConfig, ["rollout.skew.alpha=1.5"])
 

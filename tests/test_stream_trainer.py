@@ -296,6 +296,17 @@ def test_plan_shrink_rule():
     assert not tight.ok and "instance 0: projected peak 16 pages > its 12" in tight.reason and not tight.moves
     odd = plan_shrink(rows, final, [(0, 2, 12), (1, 4, 12), (2, 2, 12)], page_size=4, kv_fraction=0.5)
     assert not odd.ok and "half of the rollout devices" in odd.reason
+    # StreamRL's classes (instance 0 long, the rest regular): the freed regular instances' requests all go to
+    # instance 1, the one kept regular instance, though instance 0 is less filled; with instance 3 long too,
+    # its requests go to instance 0, the kept long one.
+    roomy = [(k, 2, 24) for k in range(4)]
+    classes = {0: "long", 1: "regular", 2: "regular", 3: "regular"}
+    kept = plan_shrink(rows, final, roomy, page_size=4, kv_fraction=1.0, classes=classes)
+    assert kept.ok and kept.moves == {1: [2, 3, 4]}
+    assert plan_shrink(rows, final, roomy, page_size=4, kv_fraction=1.0).moves == {0: [2, 4], 1: [3]}
+    classes[3] = "long"
+    mixed = plan_shrink(rows, final, roomy, page_size=4, kv_fraction=1.0, classes=classes)
+    assert mixed.ok and mixed.moves == {1: [2], 0: [3, 4]}
 
 
 # ---------------------------------------------------------------------------------------------- (4)
@@ -307,8 +318,6 @@ def test_plan_shrink_rule():
     ("trainer.micro_batch_tokens", dict(trainer=TrainerSection(micro_batch_tokens=None))),
     ("engine.instances", dict(engine=EngineSection(instances=3))),
     ("engine.instances", dict(engine=EngineSection(instances=1))),
-    ("rollout.tail_batching.dynamic_sampling",
-     dict(rollout=TrainSamplingSection(tail_batching=TailBatchingSection(enabled=True, dynamic_sampling=True)))),
 ])
 def test_refusals_name_the_key(key, cfg):
     cfg = TrainConfig(**{"engine": EngineSection(instances=2), **cfg})

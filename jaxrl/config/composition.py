@@ -3,6 +3,7 @@ trainer's own config checks (`TrainConfig`'s cross-section checks), never by a h
 
     MECHANISMS["tail"].overrides        # the dotted overrides that turn it on, on top of BASE
     pair_matrix()                       # {(a, b): None (accepted) or (key, reason) (refused)}
+    recipe_config()                     # configs/all_mechanisms.yaml: RECIPE's mechanisms together
 
 A mechanism declares what it **decides** (where training runs, who owns the generation layout, what the
 update needs before it starts, ...) and what it **needs**; two mechanisms that decide the same thing are the
@@ -24,7 +25,7 @@ import dataclasses
 import itertools
 
 from .base import ConfigError
-from .loading import CONFIGS_DIR, load_config
+from .loading import CONFIGS_DIR, load_config, to_yaml
 from .train import TrainConfig
 
 # Every pair is loaded on top of the quickstart with a 4-device train layout and 4 rollout instances.
@@ -45,13 +46,13 @@ MECHANISMS: dict[str, Mechanism] = {
                      "the generation layout mid-rollout (TP switches)", "a latency profile", "PAT"),
     "tail_batching": Mechanism(("rollout.tail_batching.enabled=true",),
                                "which prompts and responses a step trains (speculative rounds, long-prompt queue)",
-                               "the rollout of the step being trained", "RollPacker"),
+                               "its own round state, on the rollout side (one step ahead when async)", "RollPacker"),
     "dynamic_sampling": Mechanism(("rollout.tail_batching.enabled=true",
                                    "rollout.tail_batching.dynamic_sampling=true"),
                                   "refill waves until the batch has signal", "tail batching's rounds",
                                   "RollPacker / DAPO"),
     "planner": Mechanism(("engine.planner.enabled=true", "engine.kv_bytes_per_device=3900000"), "the generation TP per round type (from preemptions)",
-                         "the layout at the weight sync", "RollPacker"),
+                         "a layout change between rollouts (at a rollout's end)", "RollPacker"),
     "stream_trainer": Mechanism(("trainer.stream.enabled=true",),
                                 "where gradients run (freed rollout devices, mid-rollout)",
                                 "per-group advantages, one update per batch", "RollPacker"),
@@ -100,3 +101,45 @@ def pair_matrix() -> dict[tuple[str, str], tuple[str, str] | None]:
     """Every unordered pair of MECHANISMS (in declaration order) -> `check` of the pair."""
     return {(a, b): check(a, b) for a, b in itertools.combinations(MECHANISMS, 2)}
 
+
+
+# The whole system in one run (configs/all_mechanisms.yaml, written by scripts/composition.py): every mechanism
+# that composes with the others in one colocated run of 2 processes. Each process runs 2 generation instances
+# (TP 1; the planner may merge them into one TP 2 instance, at most) beside a train mesh of fsdp=4 over the
+# 4 devices of both; the blockwise backward recomputes its K/V (the rollout's K/V are refused with 2
+# processes: each process's instances hold only its own sequences).
+RECIPE = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "two_processes")
+RECIPE_OVERRIDES = ("engine.instances=2", "engine.planner.max_tp=2", "rollout.tail_batching.max_waves=3",
+                    "trainer.block_size=64")
+RECIPE_HEADER = """# Every mechanism that composes, in one run at quickstart size (issue 32): RollPacker's tail batching with
+# DAPO dynamic sampling and the TP planner, StreamRL's skew-aware placement with its length ranker,
+# MetroRLHF's blockwise backward, DistFlow's token repartition, 2 processes (multi-controller):
+#   scripts/launch_local.sh 2 python -m jaxrl.train --config configs/all_mechanisms.yaml
+# Written by scripts/composition.py from jaxrl.config.composition (RECIPE: the quickstart plus those
+# mechanisms' declared overrides); tests/test_composition.py fails when this file differs.
+"""
+
+
+# Its disaggregated, one-step-async variant (configs/all_mechanisms_async.yaml): one process (async refuses
+# more), 4 train devices beside 2 generation instances; the rollout side (tail batching's rounds, dynamic
+# sampling's waves, skew placement, the planner's layout) runs one step ahead of the update.
+RECIPE_ASYNC = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "async")
+RECIPE_ASYNC_HEADER = """# The all-mechanisms recipe on StreamRL's disaggregated pools, one-step-async (issue 32): tail batching with
+# dynamic sampling, the TP planner, skew placement, the blockwise backward and token repartition, with the
+# next rollout running while each step trains (one process: async refuses more):
+#   scripts/venv.sh python -m jaxrl.train --config configs/all_mechanisms_async.yaml
+# Written by scripts/composition.py (RECIPE_ASYNC); tests/test_composition.py fails when this file differs.
+"""
+RECIPES = {"all_mechanisms": (RECIPE, RECIPE_HEADER), "all_mechanisms_async": (RECIPE_ASYNC, RECIPE_ASYNC_HEADER)}
+
+
+def recipe_config(name: str = "all_mechanisms") -> TrainConfig:
+    """The quickstart with every mechanism of recipe `name` on (`overrides`) and RECIPE_OVERRIDES."""
+    mechanisms, _ = RECIPES[name]
+    return load_config(TrainConfig, overrides(*mechanisms) + list(RECIPE_OVERRIDES) + [f"run_dir=runs/{name}"],
+                       default_yaml=CONFIGS_DIR / "quickstart.yaml")
+
+
+def recipe_yaml(name: str = "all_mechanisms") -> str:
+    """configs/<name>.yaml's text."""
+    return RECIPES[name][1] + to_yaml(recipe_config(name))

@@ -59,20 +59,13 @@ def check_placement(cfg) -> None:
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: gradients stream over fixed-shape "
                           "micro-batches; set a token budget")
-    if t.backward == "blockwise" and t.kv_source == "rollout":
-        raise ConfigError("trainer.kv_source", f"rollout {why}: the rollout's K/V are staged per micro-batch of "
-                          "the whole batch, not per streamed group, and one step late (async) they are another "
-                          "policy's; use kv_source=recompute")
     if t.async_steps:
         why = "with trainer.async_steps=1"
+        if t.backward == "blockwise" and t.kv_source == "rollout":
+            raise ConfigError("trainer.kv_source", f"rollout {why}: a rollout trained one step late was made by "
+                              "the weights before the update, so its K/V are another policy's and the blockwise "
+                              "gradient would not be exact; use kv_source=recompute")
         if (cfg.distributed.num_processes or 1) > 1:
             raise ConfigError("distributed.num_processes", f"{cfg.distributed.num_processes} {why}: the next rollout's "
                               "cross-process agreements (global counts) would interleave with the update's "
                               "collectives in a different order on each process; run one process")
-        if cfg.rollout.tail_batching.enabled:
-            raise ConfigError("rollout.tail_batching.enabled", f"true {why}: the race and the long-prompt queue "
-                              "assume the rollout of the step being trained; use one or the other")
-        if e.adaptive_tp.enabled or e.planner.enabled:
-            key = "engine.adaptive_tp.enabled" if e.adaptive_tp.enabled else "engine.planner.enabled"
-            raise ConfigError(key, f"true {why}: the layout changes at the weight sync, which now happens while "
-                              "the next rollout runs; use one or the other")

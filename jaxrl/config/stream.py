@@ -87,9 +87,6 @@ def check_stream(stream: StreamSection, cfg: TrainConfig, *, processes: int | No
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: streamed gradients run over fixed-shape "
                           "micro-batches; set a token budget")
-    if getattr(getattr(cfg.rollout, "tail_batching", None), "dynamic_sampling", False):
-        raise ConfigError("rollout.tail_batching.dynamic_sampling", f"true {why}: a refill wave would run after "
-                          "the pool shrink of the first; use one or the other")
     if e.instances < 2 or e.instances % 2:
         raise ConfigError("engine.instances", f"{e.instances} {why}: half of the rollout devices are freed as "
                           "whole instances (TP groups intact), which needs an even number of instances")

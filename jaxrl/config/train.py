@@ -281,9 +281,6 @@ class TrainConfig(Section):
         if self.engine.adaptive_tp.enabled:
             raise ConfigError("rollout.skew.enabled", "PAT's switch (engine.adaptive_tp) merges and redeals the "
                               "instances mid-generation, undoing the long/regular placement: enable one of the two")
-        if self.trainer.stream.enabled:
-            raise ConfigError("rollout.skew.enabled", "the stream trainer (trainer.stream) takes instances out of "
-                              "the rollout mid-step, including dedicated long-tail ones: enable one of the two")
 
     def _check_blockwise(self):
         """trainer.backward / kv_source combinations that cannot run, refused with the key and the reason."""

@@ -147,6 +147,8 @@ def update(ctx: FlowContext, data: StepData) -> None:
                        "no update", data.step, waves)
         data.train_metrics = {"kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "loss": 0.0,
                               "skipped": 0}
+        if cfg.trainer.async_steps and data.step + 1 < cfg.steps:     # the next rollout still runs one step ahead
+            tr.prefetched = tr.collect(data.step + 1, score=ctx.rewards_streamed)
         return
     if tr.stream:          # the groups' gradients were (partly) computed during the rollout
         tr.params, tr.opt_state, m = tr.stream.finish(tr.params, tr.opt_state)

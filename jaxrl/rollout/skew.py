@@ -106,14 +106,15 @@ class SplitCost:
 
 
 def choose_split(long_seqs: int, reg_seqs: int, instances: int, cap: int, ptl: Callable[[int], float],
-                 l_long: float, l_reg: float) -> tuple[SplitCost, list[SplitCost]]:
-    """Algorithm 2: enumerate N_l = 0..N−1 (N_l <= the long sequences; N_r >= 1) and return the cheapest
-    split with every split's cost. Sequences are spread evenly: ⌈S / N⌉ per instance of a class."""
+                 l_long: float, l_reg: float, max_long: int | None = None) -> tuple[SplitCost, list[SplitCost]]:
+    """Algorithm 2: enumerate N_l = 0..N−1 (N_l <= the long sequences; N_r >= 1; N_l <= `max_long` when
+    given) and return the cheapest split with every split's cost. Sequences are spread evenly: ⌈S / N⌉ per
+    instance of a class."""
     if instances < 1 or cap < 1:
         raise ValueError(f"instances={instances} and cap={cap} must be >= 1")
     costs = []
     for n_l in range(0, instances):
-        if n_l > long_seqs:
+        if n_l > long_seqs or (max_long is not None and n_l > max_long):
             continue
         n_r = instances - n_l
         if n_l == 0:     # mixed: every instance its share of both classes, long ones first
@@ -158,17 +159,17 @@ def _deal(prompts: Seq[int], predicted: Seq[float], targets: Seq[int], weight: i
 
 def plan_placement(predicted: Seq[float], *, instances: int, group_size: int, cap: int,
                    ptl: Callable[[int], float], lengths: Seq[int], alpha: float = 0.2,
-                   default_length: float = 1.0) -> Placement:
+                   default_length: float = 1.0, max_long: int | None = None) -> Placement:
     """The skew-aware placement of one step's prompts (each with `group_size` sequences) over `instances`
-    instances of batch cap `cap`: classify (top α), choose N_l by the cost model with L = P50/P90 of
-    `lengths` (recent response lengths), deal each class over its instances, set the caps. Long
-    instances are 0..N_l−1."""
+    instances of batch cap `cap`: classify (top α), choose N_l (at most `max_long`) by the cost model with
+    L = P50/P90 of `lengths` (recent response lengths), deal each class over its instances, set the caps.
+    Long instances are 0..N_l−1."""
     if len(predicted) == 0:
         raise ValueError("no prompts to place")
     long, regular = split_long(predicted, alpha)
     l_reg, l_long = length_estimates(lengths, default_length)
     split, costs = choose_split(len(long) * group_size, len(regular) * group_size, instances, cap, ptl,
-                                l_long, l_reg)
+                                l_long, l_reg, max_long)
     if split.n_long == 0:
         where = _deal(range(len(predicted)), predicted, range(instances), group_size)
         caps = [split.bs_reg] * instances

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from jaxrl.rollout import Completion
+from jaxrl.rollout.tail_batching import RoundPlan
 
 
 # ----------------------------------------------------------------------------------------------- pools
@@ -158,22 +159,27 @@ class Prefetched:
     completions: list          # rollout.Completion
     rewards: np.ndarray
     stats: dict
-    plan: object = None        # tail batching's round plan (synchronous mode only; not saved)
+    plan: RoundPlan | None = None      # tail batching's round plan (saved: a resumed step's tail/ metrics)
 
     def state_dict(self) -> dict:
         comps = [{"request_id": c.request_id, "prompt": list(c.prompt), "tokens": list(c.tokens),
                   "logprobs": [float(x) for x in c.logprobs], "finish_reason": c.finish_reason,
                   "instance": c.instance, "preemptions": c.preemptions} for c in self.completions]
         stats = {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str, list))}
+        if "mechanisms" in self.stats:          # the rollout side's metrics (tail/queue_len, planner/, pat/)
+            stats["mechanisms"] = {k: int(v) if isinstance(v, (int, np.integer)) else float(v)
+                                   for k, v in self.stats["mechanisms"].items()}
         return {"step": self.step, "version": self.version, "rows": self.rows, "completions": comps,
-                "rewards": [float(r) for r in self.rewards], "stats": stats}
+                "rewards": [float(r) for r in self.rewards], "stats": stats,
+                "plan": None if self.plan is None else dataclasses.asdict(self.plan)}
 
     @classmethod
     def from_state(cls, d: dict) -> "Prefetched":
         comps = [Completion(c["request_id"], c["prompt"], c["tokens"], c["logprobs"], c["finish_reason"],
                             c["instance"], c["preemptions"]) for c in d["completions"]]
+        plan = None if d.get("plan") is None else RoundPlan(**d["plan"])
         return cls(int(d["step"]), int(d["version"]), list(d["rows"]), comps,
-                   np.asarray(d["rewards"], np.float32), dict(d["stats"]))
+                   np.asarray(d["rewards"], np.float32), dict(d["stats"]), plan)
 
 
 def check_staleness(trained_version: int, sample_versions) -> int:

@@ -20,6 +20,9 @@ ranker's history; every sample's length enters the recent-length window for P50/
 **Checkpointed.** `state_dict()` (the ranker: weights, Adam state, history, metrics; the recent lengths;
 the step counter) goes into the checkpoint's meta, so kill -9 and resume continues with the same ranker.
 
+With RollPacker's stream trainer, the long-tail instances are among those it never frees (N_l is capped at
+their count), and a shrink moves each freed instance's requests to kept instances of the same class.
+
 Simplified: predictions use the ranker of the last refresh (the paper preprocesses the dataset once after
 training and fine-tunes online, which amounts to the same); multi-process runs place each process's prompts
 over its own instances (per-process Algorithm 2 over per-process prompts).
@@ -88,8 +91,10 @@ class SkewStep:
         return len(prompts)
 
     # ------------------------------------------------------------------------------ the step
-    def place(self, svc, prompts: list[list[int]]) -> tuple[list[int | None], list[float]]:
-        """(instance, priority) per prompt, with the instances' batch caps set on `svc`."""
+    def place(self, svc, prompts: list[list[int]], *, max_long: int | None = None
+              ) -> tuple[list[int | None], list[float]]:
+        """(instance, priority) per prompt, with the instances' batch caps set on `svc`. `max_long`: dedicated
+        long-tail instances at most (the stream trainer's: the instances it never frees)."""
         n = len(svc.instances)
         if not self.ranker.trained or not prompts:
             svc.set_batch_caps([None] * n)
@@ -99,7 +104,7 @@ class SkewStep:
         cap = min(i.max_batch for i in svc.instances)
         self.last_plan = plan = skew.plan_placement(
             predicted, instances=n, group_size=self.group_size, cap=cap, ptl=self.ptl, lengths=list(self.recent),
-            alpha=self.section.alpha, default_length=self.max_new_tokens)
+            alpha=self.section.alpha, default_length=self.max_new_tokens, max_long=max_long)
         svc.set_batch_caps(plan.caps)
         priority = plan.priority if self.section.lpt else [0.0] * len(prompts)
         return list(plan.instance), list(priority)

@@ -31,15 +31,15 @@ def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float
     return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
 
 
-def tail_metrics(plan, rstats: dict, lens, *, trained: int, queue_len: int) -> dict:
-    """tail/...: the round (1 = long), the long-prompt queue after it, prompts launched (over every wave)
+def tail_metrics(plan, rstats: dict, lens, *, trained: int) -> dict:
+    """tail/...: the round (1 = long), prompts launched (over every wave)
     and trained, the responses aborted and their tokens, decoded tokens thrown away, the round's longest
     kept response; with dynamic sampling the groups dropped (all rewards equal), the waves drawn and the
     prompts the batch still lacked."""
     launched, trained, aborted, aborted_tok, wasted, dropped = global_sum(
         [rstats.get("launched", len(plan.rows)), trained, rstats["aborted"], rstats["aborted_tokens"],
          rstats["wasted_tokens"], rstats.get("dropped", 0)])
-    return {"tail/long_round": int(plan.kind == "long"), "tail/queue_len": queue_len,
+    return {"tail/long_round": int(plan.kind == "long"),
             "tail/queued": len(rstats.get("queued", [])), "tail/prompts_launched": int(launched),
             "tail/prompts_trained": int(trained), "tail/aborted_responses": int(aborted),
             "tail/aborted_tokens": int(aborted_tok), "tail/wasted_tokens": int(wasted),

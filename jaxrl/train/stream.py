@@ -145,9 +145,11 @@ class ShrinkPlan:
 
 
 def plan_shrink(rows: Sequence[dict], final: np.ndarray, instances: Sequence[tuple[int, int, int]], *,
-                page_size: int, kv_fraction: float) -> ShrinkPlan:
+                page_size: int, kv_fraction: float, classes: dict[int, str] | None = None) -> ShrinkPlan:
     """Algorithm 1, lines 16-17. `rows`: live requests (`svc.sequence_stats()`), `final` their projected
-    final lengths, `instances`: (index, tp, pages) of every instance in order. See the module docstring."""
+    final lengths, `instances`: (index, tp, pages) of every instance in order. `classes` (StreamRL's skew
+    placement: instance -> "long" / "regular"): a moved request goes to a kept instance of its own
+    instance's class when one is kept. See the module docstring."""
     tps = [tp for _, tp, _ in instances]
     freed = freed_instances(tps)
     if freed is None:
@@ -167,7 +169,8 @@ def plan_shrink(rows: Sequence[dict], final: np.ndarray, instances: Sequence[tup
     load = {i: sum(-(-final[k] // page_size) for k in members[i]) for i in cap}
     moved = sorted((k for k, r in enumerate(rows) if r["instance"] in freed), key=lambda k: -final[k])
     for k in moved:
-        target = min(cap, key=lambda i: (load[i] / cap[i], i))
+        own = [i for i in cap if classes and classes.get(i) == classes.get(rows[k]["instance"])]
+        target = min(own or cap, key=lambda i: (load[i] / cap[i], i))
         members[target].append(k)
         load[target] += -(-final[k] // page_size)
         plan.moves.setdefault(target, []).append(rows[k]["request_id"])
@@ -180,13 +183,19 @@ def plan_shrink(rows: Sequence[dict], final: np.ndarray, instances: Sequence[tup
     return plan
 
 
-def shrink_plan(svc, s: StreamSection, history: Sequence[int]) -> ShrinkPlan:
+def shrink_plan(svc, s: StreamSection, history: Sequence[int], classes: dict[int, str] | None = None) -> ShrinkPlan:
     """Lines 16-17 on a rollout service: its live requests' projected final lengths (`s.projection`) and
-    `plan_shrink` over its instances' pools."""
+    `plan_shrink` over its instances' pools (moves within `classes`, when given)."""
     rows = svc.sequence_stats()
     final = projected_lengths(rows, history, projection=s.projection, quantile=s.quantile)
     return plan_shrink(rows, final, [(i.index, i.tp, i.pool.capacity) for i in svc.instances],
-                       page_size=svc.instances[0].pool.page_size, kv_fraction=s.kv_fraction)
+                       page_size=svc.instances[0].pool.page_size, kv_fraction=s.kv_fraction, classes=classes)
+
+
+def kept_instances(svc) -> int:
+    """How many leading instances a shrink never frees (all of them when no half can be freed)."""
+    freed = freed_instances(list(svc.layout))
+    return len(svc.layout) if freed is None else min(freed)
 
 
 def take_shrink(svc, plan: ShrinkPlan) -> int:
@@ -253,9 +262,11 @@ class StreamTrainer:
         """Indices of the instances still generating (all of them before a shrink)."""
         return [k for k in range(len(svc.instances)) if k not in self._freed]
 
-    def on_progress(self, svc, finished: int, total: int) -> ShrinkPlan | None:
-        """After each `svc.step()`: at a due milestone, plan and maybe take the shrink. Returns the milestone's
-        plan (None when no check was due)."""
+    def on_progress(self, svc, finished: int, total: int, classes: dict[int, str] | None = None
+                    ) -> ShrinkPlan | None:
+        """After each `svc.step()`: at a due milestone, plan and maybe take the shrink (moving requests within
+        `classes`, StreamRL's long/regular instances, when given). Returns the milestone's plan (None when
+        no check was due)."""
         self._check_begun()
         if self._freed:
             busy = [k for k in self._freed if svc.instances[k].live_rids()]
@@ -267,7 +278,7 @@ class StreamTrainer:
         if not s.enabled or not milestone_due(finished, total, self._last, start=s.start, stop=s.stop, step=s.step):
             return None
         self._last, self.checks = finished, self.checks + 1
-        plan = shrink_plan(svc, s, self.history)
+        plan = shrink_plan(svc, s, self.history, classes)
         self.plan = plan
         if not plan.ok:
             return plan

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
@@ -74,7 +75,7 @@ from .step import LossSpec, make_logprob_fn, make_train_step
 from .balance import ScaleUp
 from .grad_stream import GradientStream, warm_sum
 from .pipeline import Prefetched, TrainWorker, check_staleness, split_devices
-from .stream import StreamTrainer
+from .stream import StreamTrainer, kept_instances
 from .update import Updater
 
 log = logging.getLogger("jaxrl.train")
@@ -167,7 +168,8 @@ class Trainer:
             self.svc.observers.append(lambda a, b: timeline.add("gen", "decode", a, b))
         if cfg.placement == "disaggregated":     # the train pool's thread; streamed gradients (one process)
             self.worker = TrainWorker(timeline)
-            if not t.async_steps and jax.process_count() == 1 and a.advantage not in WHOLE_BATCH_ADVANTAGES:
+            if not (t.async_steps or jax.process_count() > 1 or a.advantage in WHOLE_BATCH_ADVANTAGES
+                    or rl.uses_rollout_kv(cfg)):      # (the rollout K/V are staged for the whole batch at once)
                 self.gstream = GradientStream(cfg, self.spec, self.updater, self.mesh, pack_len=self.pack_len,
                                               mb_rows=self.mb_rows, executor=self.worker)
             if cfg.stage_balance.scale_up:
@@ -324,16 +326,25 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         preempted = total_preemptions(self.svc)
-        hooks = {}
+        on_group = self._begin_streams()
+        drop_equal = self.tail is not None and cfg.rollout.tail_batching.dynamic_sampling
 
-        def rollout(rows, race=None, responses=None):
+        def rollout(rows, race=None, responses=None):      # one round, or one of dynamic sampling's waves
             prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
-            if self.stream:
-                hooks.update(self._stream_hooks(prompts))
-            if self.gstream:         # StreamRL dynamic-batch pipelining: gradients on the train pool as groups arrive
-                hooks.update(self._pipeline_hooks(prompts))
-            if self.skew:
-                hooks["route"] = lambda ps: self.skew.place(self.svc, ps)
+            hooks = {}
+            if on_group is not None:     # each scored group, with its advantages, to the gradient stream
+                def group(p, comps, rewards):
+                    if drop_equal and np.all(rewards == rewards[0]):
+                        return           # dynamic sampling drops it after the round (a long round's filter)
+                    adv = rl.advantages(cfg, rewards, [len(c.tokens) for c in comps])
+                    on_group([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
+                hooks["on_group"] = group
+            if self.stream:              # milestone checks after each engine step (may free half the devices)
+                hooks["on_step"] = lambda finished, total: self.stream.on_progress(self.svc, finished, total,
+                                                                                   self._instance_classes())
+            if self.skew:                # (the long-tail instances: among those the stream trainer never frees)
+                hooks["route"] = lambda ps: self.skew.place(
+                    self.svc, ps, max_long=kept_instances(self.svc) if self.stream else None)
             return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
                                         self.tokenizer.eos_ids, race=race, responses=responses, score=score,
                                         **hooks)
@@ -348,13 +359,24 @@ class Trainer:
             rows = next(self.loader)
             comps, rewards, rstats = rollout(rows)
         preempted = int(global_sum(total_preemptions(self.svc) - preempted))
+        # The rollout side's own metrics, taken at the rollout's end (one-step-async: step `step`'s rollout
+        # runs during the previous step's update, so the step that logs it must not read them later)
+        mech = {}
         if self.planner:         # this round type's next TP, from this step's preemptions (applied at the sync)
             self.planner.decide(plan.kind if plan else "sync", preempted)
+            mech.update(self.planner.metrics())
+        if self.svc.adaptive is not None:        # PAT: this rollout's switch decisions (records: pat_decisions.jsonl)
+            mech.update(self.svc.adaptive.step_metrics(step, self.run_dir / "pat_decisions.jsonl"
+                                                       if self.is_main else None))
+        if self.tail:
+            mech["tail/queue_len"] = len(self.tail.queue)
+        if self.cfg.trainer.async_steps and (self.planner or self.svc.adaptive is not None):
+            self._relayout()       # the next rollout starts before the sync: its layout is set here, at this one's end
         if score:
             self.reward_guard.update(rstats)     # raises after rewards.max_failed_steps all-failed steps
         t2 = time.perf_counter()
         t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
-        rstats.update(rollout_s=t1 - t0, reward_s=t2 - t1, preempted=preempted)
+        rstats.update(rollout_s=t1 - t0, reward_s=t2 - t1, preempted=preempted, mechanisms=mech)
         return Prefetched(step, self.engine_version, list(rows), comps, rewards, rstats, plan)
 
     def rl_step(self) -> dict:
@@ -389,18 +411,14 @@ class Trainer:
         out.update(data.metrics)                   # the nodes' own (flow/...: group filter, repartition)
         out.update(self.rewards.metrics())         # reward/...: cancellations, elapsed time, adaptive timeouts
         if plan:
-            out.update(tail_metrics(plan, rstats, all_lens, trained=len(rows), queue_len=len(self.tail.queue)))
-        if self.planner:
-            out.update(self.planner.metrics())
+            out.update(tail_metrics(plan, rstats, all_lens, trained=len(rows)))
+        out.update(rstats["mechanisms"])           # the rollout's: tail/queue_len, planner/, pat/
         if self.skew:            # the ranker learns this step's lengths (refresh every k steps)
             self.skew.observe(prompts, [lens[k * G:(k + 1) * G] for k in range(len(prompts))],
                               log=self.run_dir / "length_pairs.jsonl" if self.is_main else None)
             out.update(self.skew.finish(self.step))
         if cfg.placement == "disaggregated":     # StreamRL: the pools, the streamed groups, staleness, the bubble
             out.update(self._placement_metrics(staleness, wait, rstats))
-        if self.svc.adaptive is not None:        # PAT: this step's switch decisions (records: pat_decisions.jsonl)
-            out.update(self.svc.adaptive.step_metrics(self.step, self.run_dir / "pat_decisions.jsonl"
-                                                      if self.is_main else None))
         return out
 
     def _placement_metrics(self, staleness: int, wait: float, rstats: dict) -> dict:
@@ -416,46 +434,45 @@ class Trainer:
                                          warm=self._rollout_params() if cfg.trainer.warmup else None))
         return out
 
-    def _pipeline_hooks(self, prompts) -> dict:
-        """rollout_and_score hook of dynamic-batch pipelining: each scored group, with its advantages, to the
-        gradient stream on the train pool (started at this step's weights)."""
-        gs, cfg = self.gstream, self.cfg
-        gs.begin(self.ref_params)
-        gs.target(self.params, self.ref_params, gs.train_rows)
+    def _instance_classes(self) -> dict[int, str] | None:
+        """StreamRL's skew placement of this rollout: instance -> "long" / "regular" (None: no placement)."""
+        plan = self.skew.last_plan if self.skew else None
+        if plan is None:
+            return None
+        return {k: "long" if k < plan.split.n_long else "regular" for k in range(len(self.svc.instances))}
 
-        def on_group(p, comps, rewards):
-            lens = [len(c.tokens) for c in comps]
-            adv = rl.advantages(cfg, rewards, lens)
-            gs.add([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
-
-        return {"on_group": on_group}
-
-    def _stream_hooks(self, prompts) -> dict:
-        """rollout_and_score hooks of the stream trainer: milestone checks after each engine step (may free
-        half the rollout devices) and each scored group, with its advantages, to the gradient stream."""
-        st, cfg = self.stream, self.cfg
-        st.begin(self.params, self.ref_params)
-
-        def on_group(p, comps, rewards):
-            lens = [len(c.tokens) for c in comps]
-            adv = rl.advantages(cfg, rewards, lens)
-            st.add_group([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
-
-        return {"on_step": lambda finished, total: st.on_progress(self.svc, finished, total), "on_group": on_group}
+    def _begin_streams(self):
+        """Start the step's gradient stream, once per step (dynamic sampling's waves add to it): RollPacker's
+        stream trainer, or StreamRL's dynamic-batch pipelining on the train pool, both at this step's
+        weights. Returns where scored groups go (None: nothing streams)."""
+        if self.stream:
+            self.stream.begin(self.params, self.ref_params)
+            return self.stream.add_group
+        if self.gstream:
+            self.gstream.begin(self.ref_params)
+            self.gstream.target(self.params, self.ref_params, self.gstream.train_rows)
+            return self.gstream.add
+        return None
 
     def _sync_weights(self):
-        """The new weights into the rollout instances; with the planner, on the layout it chose for the next
-        step's round type (one reshard; a layout seen for the first time compiles its step set here)."""
-        if not self.planner:
-            if self.svc.adaptive is not None:     # PAT may have switched mid-rollout: back to the configured layout
-                e = self.cfg.engine
-                self.svc.adaptive.home(self.svc, RolloutLayout(e.tp, e.instances), self.params)
-            else:
-                self.svc.update_weights(self.params)
-            return
-        kind = self.tail.next_kind() if self.tail else "sync"
-        apply_layout(self.svc, self.planner.layout_for(kind), self.params,
-                     warm=self._rollout_params() if self.cfg.trainer.warmup else None)
+        """The new weights into the rollout instances, on the layout the next rollout starts on (`_relayout`:
+        one reshard; a layout seen for the first time compiles its step set here)."""
+        if self.planner or self.svc.adaptive is not None:
+            self._relayout(self.params)
+        else:
+            self.svc.update_weights(self.params)
+
+    def _relayout(self, weights=None):
+        """The generation layout the next rollout starts on: the planner's for the next round type, else the
+        configured one (PAT may have switched mid-rollout), syncing `weights` on the way when given."""
+        e = self.cfg.engine
+        layout = self.planner.layout_for(self.tail.next_kind() if self.tail else "sync") if self.planner \
+            else RolloutLayout(e.tp, e.instances)
+        warm = self._rollout_params() if self.planner and self.cfg.trainer.warmup else None
+        if self.svc.adaptive is not None:
+            self.svc.adaptive.home(self.svc, layout, weights, warm=warm)
+        else:
+            apply_layout(self.svc, layout, weights, warm=warm)
 
     def _rollout_params(self) -> list:
         """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
