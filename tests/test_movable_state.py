@@ -245,3 +245,20 @@ def test_executor_cache_warm_and_reuse(weights, prompts):
     m = CACHE.compiles
     again.run()
     assert CACHE.compiles == m and m - n <= 2
+
+
+def test_a_requeued_head_is_admitted_alone_and_its_fresh_siblings_share_later():
+    """A waiting head that already generated (re-queued by a recompute relayout: output kept, no KV) leads no
+    shared prefill: admitted alone, with pages for every position; its fresh siblings share one prefill
+    after it. (It used to lead a group of its siblings that excluded it, so the group's first member got
+    no pages and the prefill crashed: found with PAT switching under skew placement's batch caps.)"""
+    sched = Scheduler(64, 4, max_batch=8)
+    p = SamplingParams(max_new_tokens=5, temperature=0.0, n=3)
+    moved = Sequence(0, [1, 2, 3, 4, 5], p, seed=0, group=7, out=[9, 9])         # re-attached, recompute
+    sched.add([moved, Sequence(1, [1, 2, 3, 4, 5], p, seed=1, group=7), Sequence(2, [1, 2, 3, 4, 5], p, seed=2, group=7)])
+    groups = sched.admit()
+    assert [[s.rid for s in g] for g in groups] == [[0], [1, 2]]
+    assert all(s.pages for g in groups for s in g)
+    for b in sched.prefill_batches([g[0] for g in groups]):
+        assert all(len(s.pages) * 4 >= s.computed for s in b.seqs)
+    assert moved.computed == len(moved.prompt) + len(moved.out) - 1

@@ -189,14 +189,15 @@ def test_skew_aware_placement_gives_the_outputs_of_random_placement():
 
 
 # ---------------------------------------------------------------------------------------------- the train step
-def test_skew_config_refuses_what_undoes_the_placement():
+def test_skew_config_composes_with_what_moves_requests():
+    """PAT's switch keeps the long/regular classes (tests/test_pat_skew.py) and the stream trainer's shrink
+    moves within them: both load with skew placement; a bad alpha is still refused."""
     from jaxrl.config.base import ConfigError
     from jaxrl.config.loading import load_config
     from jaxrl.config.train import TrainConfig
 
-    with pytest.raises(ConfigError, match="merges and redeals"):
-        load_config(TrainConfig, ["rollout.skew.enabled=true", "engine.adaptive_tp.enabled=true",
-                                        "engine.adaptive_tp.profile=p.json"])
+    load_config(TrainConfig, ["rollout.skew.enabled=true", "engine.adaptive_tp.enabled=true",
+                              "engine.adaptive_tp.profile=p.json"])
     load_config(TrainConfig, ["rollout.skew.enabled=true", "trainer.stream.enabled=true", "engine.instances=2"])
     with pytest.raises(ConfigError, match="alpha"):
         load_config(TrainConfig, ["rollout.skew.alpha=1.5"])

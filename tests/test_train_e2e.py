@@ -196,6 +196,10 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tail):
 
 
 DYNAMIC = ["rollout.tail_batching.dynamic_sampling=true", "rollout.tail_batching.max_waves=2"]
+# Skew placement live from step 0: the length ranker warm-started from the committed quickstart's pairs.
+WARM_SKEW = ["rollout.skew.enabled=true", "rollout.skew.ranker.train_steps=20", "rollout.skew.ranker.d_model=32",
+             "rollout.skew.ranker.batch=16",
+             f"rollout.skew.ranker.pairs={ROOT / 'scripts' / 'results' / 'quickstart_length_pairs.jsonl'}"]
 
 
 # 1 process vs N: (extra settings, N). Dynamic sampling runs on tail batching's rounds (steps 0, 1 short, step 2
@@ -481,8 +485,9 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     """lr = 0: the weights never move, so the one-step-async rollouts (made on the step-before weights while
     the previous step trains) are the synchronous ones; staleness is 0 at the first step, then exactly 1.
     All three runs use tail batching (its rounds and queue live on the rollout side, so they run one step
-    ahead unchanged); the async ones add PAT (every rollout starts on the configured TP 1 and switches to
-    TP 4 mid-generation: tokens do not depend on the layout) or the planner (a KV budget that makes TP 1
+    ahead unchanged); the async ones add PAT with skew placement (the ranker warm-started from the
+    quickstart's pairs; every rollout starts on the configured TP 1 and switches to TP 4 mid-generation,
+    keeping the long/regular classes: tokens depend on neither) or the planner (a KV budget that makes TP 1
     preempt: the layout it picks from rollout n's preemptions is set at rollout n+1's end, so it first serves
     rollout n+2, one rollout later than in a synchronous run)."""
     sync, pat, planner = tmp_path / "sync", tmp_path / "pat", tmp_path / "planner"
@@ -493,7 +498,7 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     _train_together((sync, *common),
                     (pat, *common, "trainer.async_steps=1", "engine.adaptive_tp.enabled=true",
                      f"engine.adaptive_tp.profile={tmp_path / 'prof.json'}", "engine.adaptive_tp.candidates=[1, 4]",
-                     "engine.adaptive_tp.check_every=4", "engine.adaptive_tp.kv=recompute"),
+                     "engine.adaptive_tp.check_every=4", "engine.adaptive_tp.kv=recompute", *WARM_SKEW),
                     (planner, *common, "trainer.async_steps=1", "engine.planner.enabled=true",
                      "engine.planner.calm_steps=1", "engine.kv_bytes_per_device=3900000"))
     m1, m2, m3 = _metrics(sync), _metrics(pat), _metrics(planner)
@@ -504,6 +509,7 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     assert [r["placement/staleness"] for r in m2] == [r["placement/staleness"] for r in m3] == [0, 1, 1]
     assert [r["placement/staleness"] for r in m1] == [0, 0, 0]
     assert [r["pat/switches"] for r in m2] == [1, 1, 1]
+    assert all(r["skew/active"] == 1 for r in m2)         # placed by the ranker, classes kept through the switch
     recs = [json.loads(line) for line in (pat / "pat_decisions.jsonl").read_text().splitlines()]
     assert [next(r["current"] for r in recs if r["rl_step"] == s) for s in range(3)] == [1, 1, 1]
     assert [r["preemptions"] > 0 for r in m3] == [True, False, False]    # rollout 1 ran before TP 2 was set
@@ -537,9 +543,7 @@ def test_all_mechanisms_recipes_run(tmp_path):
     quickstart's pairs (its warm start), so skew placement is live from step 0. (That the recipe learns is
     measured at quickstart size by scripts/bench_recipes.py, not here.)"""
     two, asy = tmp_path / "two", tmp_path / "async"
-    small = [*TINY, "steps=3", "save_every=null", "export_hf=false", "rollout.skew.ranker.train_steps=20",
-             "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16",
-             f"rollout.skew.ranker.pairs={ROOT / 'scripts' / 'results' / 'quickstart_length_pairs.jsonl'}"]
+    small = [*TINY, "steps=3", "save_every=null", "export_hf=false", *WARM_SKEW[1:]]
     procs = [subprocess.Popen([str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train",
                                "--config", str(ROOT / "configs" / "all_mechanisms.yaml"), f"run_dir={two}", *small],
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),

@@ -21,6 +21,8 @@ CONFIG_CLASSES: dict[str, type[Section]] = {
     "generate.yaml": GenerateConfig,
     "quickstart.yaml": TrainConfig,
     "grpo_qwen3_0.6b_math.yaml": TrainConfig,
+    "all_mechanisms.yaml": TrainConfig,          # written by scripts/composition.py
+    "all_mechanisms_async.yaml": TrainConfig,
 }
 
 __all__ = [

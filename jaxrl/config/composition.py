@@ -106,8 +106,8 @@ def pair_matrix() -> dict[tuple[str, str], tuple[str, str] | None]:
 # The whole system in one run (configs/all_mechanisms.yaml, written by scripts/composition.py): every mechanism
 # that composes with the others in one colocated run of 2 processes. Each process runs 2 generation instances
 # (TP 1; the planner may merge them into one TP 2 instance, at most) beside a train mesh of fsdp=4 over the
-# 4 devices of both; the blockwise backward recomputes its K/V (the rollout's K/V are refused with 2
-# processes: each process's instances hold only its own sequences).
+# 4 devices of both; the blockwise backward recomputes its K/V (the rollout's K/V are refused with token
+# repartition over 2 processes: the samples would move to other processes, their K/V would not).
 RECIPE = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "two_processes")
 RECIPE_OVERRIDES = ("engine.instances=2", "engine.planner.max_tp=2", "rollout.tail_batching.max_waves=3",
                     "trainer.block_size=64")

@@ -193,6 +193,16 @@ class RewardSection(Section):
         check_int("max_failed_steps", self.max_failed_steps, minimum=1)
 
 
+def check_rollout_kv_processes(t: TrainerSection, processes: int) -> None:
+    """trainer.kv_source=rollout over `processes` processes (the config's count here, `jax.process_count()` again
+    when the update stages them: launch_local.sh sets it in the environment): each process stages its own
+    instances' K/V for its own samples, so nothing may move samples between processes."""
+    if t.kv_source == "rollout" and processes > 1 and t.repartition == "tokens":
+        raise ConfigError("trainer.repartition", f"tokens moves samples to other processes, but with "
+                          f"trainer.kv_source=rollout and {processes} processes each sample's K/V stay on the process "
+                          "whose instances made them: use repartition=none or kv_source=recompute")
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedSection(Section):
     """jax.distributed: a null value falls back to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
@@ -202,6 +212,7 @@ class DistributedSection(Section):
     num_processes: int | None = None     # processes in the run (JAX_NUM_PROCESSES)
     process_id: int | None = None        # this process, 0..num_processes-1 (JAX_PROCESS_ID)
     initialization_timeout: int = 120    # seconds to wait for every process to join
+    heartbeat_timeout: int = 20          # seconds a process may go silent before the others stop (jaxrl.train.heartbeat)
 
     def __post_init__(self):
         check_str("coordinator", self.coordinator, allow_none=True)
@@ -210,6 +221,7 @@ class DistributedSection(Section):
         if self.process_id is not None:
             check_int("process_id", self.process_id, minimum=0)
         check_int("initialization_timeout", self.initialization_timeout, minimum=1)
+        check_int("heartbeat_timeout", self.heartbeat_timeout, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +276,6 @@ class TrainConfig(Section):
         check_critic(self)            # before the mechanisms' own checks: PPO refuses them whole
         self._check_blockwise()
         check_stream(self.trainer.stream, self)
-        self._check_skew()
         check_placement(self)
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
@@ -273,14 +284,6 @@ class TrainConfig(Section):
                               f"engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len or lower one "
                               "of the two")
 
-
-    def _check_skew(self):
-        """StreamRL skew-aware placement beside the mechanisms that move requests between instances."""
-        if not getattr(getattr(self.rollout, "skew", None), "enabled", False):   # (tests pass a plain SamplingSection)
-            return
-        if self.engine.adaptive_tp.enabled:
-            raise ConfigError("rollout.skew.enabled", "PAT's switch (engine.adaptive_tp) merges and redeals the "
-                              "instances mid-generation, undoing the long/regular placement: enable one of the two")
 
     def _check_blockwise(self):
         """trainer.backward / kv_source combinations that cannot run, refused with the key and the reason."""
@@ -295,6 +298,4 @@ class TrainConfig(Section):
                 raise ConfigError("trainer.kv_source", f"rollout K/V are the rollout policy's; with algo.mini_batches="
                                   f"{self.algo.mini_batches} every update after the first trains weights that moved "
                                   "(off-policy): use kv_source=recompute or mini_batches=1")
-            if (self.distributed.num_processes or 1) > 1:
-                raise ConfigError("trainer.kv_source", "the rollout's K/V live on each process's own instances and "
-                                  "cannot be consumed by a multi-process train mesh yet: use kv_source=recompute")
+            check_rollout_kv_processes(t, self.distributed.num_processes or 1)

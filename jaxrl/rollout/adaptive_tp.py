@@ -22,7 +22,8 @@ same maximum this is exactly the paper's est_rem_time(tp, rbs, L_max, L_gen).
 **Merged batch** (`compute_merged_bs`, line 7): a candidate layout's groups receive the live sequences
 dealt as `RolloutService.relayout` attaches them (`migration.deal`: request-id order, each to the
 least-loaded group by context tokens; a prompt's samples that share KV pages move as one unit when the KV
-migrates, one by one when it is recomputed).
+migrates, one by one when it is recomputed; with StreamRL's skew placement active, each long/regular class
+over its own groups: `skew.Classes`).
 
 **Switch cost** (line 9): state handling + weight reshard + compile + control.
 - Migration (Eq. 1–2): S_kv^rank = Σ_i 2·M·L_i·(H_kv / TP_src)·s over the sequences of a source group
@@ -49,6 +50,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import numpy as np
+
+from .skew import Classes, deal_units
 
 KV_CHOICES = ("auto", "migrate", "recompute")
 PROFILE_VERSION = 1
@@ -292,24 +295,26 @@ class Predictor:
 
 
 # ------------------------------------------------------------------------------------ redistribution
-def merge_and_redistribute(live: Seq[Live], groups: int, *, keep_shared: bool = True) -> list[list[Live]]:
+def merge_and_redistribute(live: Seq[Live], groups: int, *, keep_shared: bool = True,
+                           classes: Classes | None = None) -> list[list[Live]]:
     """compute_merged_bs: the live sequences dealt to `groups` target groups exactly as `migration.deal`
     deals them in a relayout: units in request-id order (the samples of a prompt that share KV pages on one
     instance are one unit when `keep_shared`, as a migrating relayout moves them; a recomputing relayout
     moves every sequence alone), each unit to the group holding the fewest context tokens so far (ties: the
-    lower index). Dealing shared samples one by one instead predicted a balance the migrating relayout
-    does not produce, and the controller then switched back and forth at every check (found by the
-    cluster simulator)."""
+    lower index) — with StreamRL's `classes` (`skew.Classes`, tagged), among its class's groups on that
+    layout (`Classes.to`). Both deal with `skew.deal_units`. Dealing shared samples one by one instead
+    predicted a balance the migrating relayout does not produce, and the controller then switched back and
+    forth at every check (found by the cluster simulator)."""
     out: list[list[Live]] = [[] for _ in range(groups)]
-    load = [0] * groups
     units: dict = {}
     for x in sorted(live, key=lambda x: x.rid):
         key = (x.group, x.share) if keep_shared and x.share is not None else ("solo", x.rid)
         units.setdefault(key, []).append(x)
-    for unit in units.values():
-        g = min(range(groups), key=lambda k: (load[k], k))
+    cls = None if classes is None else classes.to(groups, [x.rid for x in live])
+    dealt = deal_units([(sum(x.context for x in u), cls is not None and any(x.rid in cls.long for x in u))
+                        for u in units.values()], groups, cls)
+    for unit, g in zip(units.values(), dealt):
         out[g] += [dataclasses.replace(x, group=g) for x in unit]
-        load[g] += sum(x.context for x in unit)
     return out
 
 
@@ -394,11 +399,13 @@ class SwitchController:
             raise ValueError(f"candidate TP {bad} does not divide the {devices} rollout devices")
         self.predictor, self.candidates, self.devices, self.kv = predictor, sorted(candidates), devices, kv
 
-    def switch_cost(self, src: int, dst: int, live: Seq[Live], *, warm: bool) -> Candidate:
+    def switch_cost(self, src: int, dst: int, live: Seq[Live], *, warm: bool, classes: Classes | None = None
+                    ) -> Candidate:
         pred, prof = self.predictor, self.predictor.profile
         n = self.devices // dst
         src_groups = by_group(live)
-        moved, solo = merge_and_redistribute(live, n), merge_and_redistribute(live, n, keep_shared=False)
+        moved = merge_and_redistribute(live, n, classes=classes)
+        solo = merge_and_redistribute(live, n, keep_shared=False, classes=classes)
         move, nbytes = pred.move_seconds(src, src_groups)
         recomp = pred.recompute_seconds(dst, solo) if dst in pred._prefill else math.inf
         kv = self.kv if self.kv != "auto" else ("migrate" if move <= recomp else "recompute")
@@ -409,7 +416,9 @@ class SwitchController:
         return Candidate(dst, pred.remaining_time(dst, dst_groups), state + reshard + compile_s + prof.control_seconds,
                          kv, move, recomp, reshard, compile_s, prof.control_seconds, nbytes)
 
-    def decide(self, current: int, live: Seq[Live], *, step: int = 0, warm=lambda tp: True) -> SwitchDecision:
+    def decide(self, current: int, live: Seq[Live], *, step: int = 0, warm=lambda tp: True,
+               classes: Classes | None = None) -> SwitchDecision:
+        """Algorithm 1; `classes`: StreamRL's tagged classes, which a switch keeps (each candidate dealt so)."""
         pred = self.predictor
         t_cur = pred.remaining_time(current, by_group(live))
         cands, best, best_t = [], current, math.inf
@@ -417,7 +426,7 @@ class SwitchController:
             if tp == current:
                 c = Candidate(tp, t_cur, 0.0)
             else:
-                c = self.switch_cost(current, tp, live, warm=warm(tp))
+                c = self.switch_cost(current, tp, live, warm=warm(tp), classes=classes)
             cands.append(c)
             if c.total_s < best_t:
                 best, best_t = tp, c.total_s

@@ -20,7 +20,8 @@ drops the KV: the sequence re-prefills prompt + generated tokens. Source pages a
      first and the remaining one (or the given weights) is resharded layer by layer into each new
      instance, the last copy consuming (donating) the source leaf by leaf;
   5. build the new instances (pools sized by the memory budget of their layout) and attach the states,
-     groups to the least-loaded new instance, their staged pages moved layer by layer; free the staging.
+     groups to the least-loaded new instance (of their StreamRL class's, when `classes` are kept), their
+     staged pages moved layer by layer; free the staging.
 So live device memory never exceeds max(before, after) by more than the moved KV plus the transient of
 the leaf being moved (one layer of a stacked leaf plus, in the last copy, the rest of the source leaf
 until it is freed; or, reusing, one leaf's new copies: bounded by the new pools whenever they are at
@@ -43,6 +44,7 @@ from sharding import Layout, padded_vocab_for, reshard_reusing, tp_groups, tree_
 
 from .kv_store import KVStore, move_bytes, move_pages
 from .scheduler import SequenceState
+from .skew import Classes, deal_units
 
 
 @dataclasses.dataclass
@@ -143,23 +145,25 @@ def attach(states: list[SequenceState], target, sources: dict[int, PoolSource], 
     return rep
 
 
-def deal(states: list[SequenceState], n: int) -> list[list[SequenceState]]:
+def deal(states: list[SequenceState], n: int, classes: Classes | None = None) -> list[list[SequenceState]]:
     """Step 5's placement: `states` (request-id order) dealt to `n` new instances, a group sharing KV pages
-    together, each to the instance holding the fewest context tokens so far (ties: the lower index)."""
-    load = [0] * n
+    together, each to the instance holding the fewest context tokens so far (ties: the lower index); with
+    StreamRL's `classes` (`skew.Classes` on `n` instances), among its own class's instances (`skew.deal_units`)."""
     assigned: list[list[SequenceState]] = [[] for _ in range(n)]
-    for grp in _groups(list(states)):
-        j = min(range(n), key=lambda i: (load[i], i))
+    units = _groups(list(states))
+    is_long = [classes is not None and any(st.rid in classes.long for st in grp) for grp in units]
+    for grp, j in zip(units, deal_units([(sum(st.context_len for st in g), k) for g, k in zip(units, is_long)],
+                                        n, classes)):
         assigned[j] += grp
-        load[j] += sum(st.context_len for st in grp)
     return assigned
 
 
 def attach_dealt(states: list[SequenceState], new: list, sources: dict[int, PoolSource], kv: str, *,
-                 mover: Callable = device_move, progress: Callable[[], None] = lambda: None) -> MoveReport:
-    """`deal` the states over the `new` instances and `attach` each share; the summed report."""
+                 mover: Callable = device_move, progress: Callable[[], None] = lambda: None,
+                 classes: Classes | None = None) -> MoveReport:
+    """`deal` the states over the `new` instances (keeping `classes`) and `attach` each share; the summed report."""
     rep = MoveReport()
-    for inst, sts in zip(new, deal(states, len(new))):
+    for inst, sts in zip(new, deal(states, len(new), classes)):
         if sts:
             r = attach(sts, inst, sources, kv, mover=mover)
             for f in ("migrated", "recomputed", "pages_moved", "kv_bytes", "kv_bytes_predicted", "seconds"):
@@ -243,11 +247,12 @@ def plan_layout(tp: int | Seq[int], instances: int | None, devices: list) -> lis
 
 
 def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int | None,
-             probe: Callable[[], None] | None = None, weights=None):
+             probe: Callable[[], None] | None = None, weights=None, classes: Classes | None = None):
     """Rebuild `svc`'s instances on the device `groups` (see module docstring). Returns (instances, report).
     `weights` (this process's arrays, any layout): the new instances' weights come from them instead of the
     old rollout copy, which is then freed — a weight sync riding the relayout (one reshard, not two); the
-    caller's arrays are never freed or donated."""
+    caller's arrays are never freed or donated. `classes` (`skew.Classes` on the new instances): StreamRL's
+    long/regular classes, each dealt over its own new instances."""
     probe = probe or (lambda: None)
     old = svc.instances
     compiles0 = old[0].executor.cache.compiles
@@ -286,7 +291,7 @@ def relayout(svc, groups: list[list], *, kv: str, max_batch: int, num_pages: int
         new, weight_bytes, weight_s = _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe)
     probe()
     everything = sorted((st for sts in states for st in sts), key=lambda st: st.rid)
-    rep = attach_dealt(everything, new, sources, kv, progress=probe)
+    rep = attach_dealt(everything, new, sources, kv, progress=probe, classes=classes)
     for src in sources.values():
         for x in src.kv:
             x.delete()

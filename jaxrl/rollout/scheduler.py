@@ -215,7 +215,9 @@ class Scheduler:
             head = self.waiting[0]
             group = [s for s in self.waiting if head.group is not None and s.group == head.group
                      and s.computed == 0 and not s.out and not s.pages] if self.prefix_sharing else []
-            group = group or [head]
+            # The head leads its group only when it is fresh too: one with output or pages (re-queued by a
+            # recompute relayout or a preemption) is admitted alone, and its fresh siblings share a prefill later.
+            group = group if group and group[0] is head else [head]
             per_seq = self.pool.pages_for(len(head))
             shared = (len(head.prompt) - 1) // self.pool.page_size
             # A group that could never run at once (more samples than max_batch, or more pages than the

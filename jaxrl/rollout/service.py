@@ -291,12 +291,14 @@ class RolloutService:
 
     def relayout(self, tp: int | Seq[int], instances: int | None = None, *, kv: str = "migrate",
                  max_batch: int | None = None, num_pages: int | None = None,
-                 probe: Callable[[], None] | None = None, weights: Weights | None = None) -> migration.RelayoutReport:
+                 probe: Callable[[], None] | None = None, weights: Weights | None = None,
+                 classes=None) -> migration.RelayoutReport:
         """Switch the instances to a new layout mid-generation: pause, move every live sequence and its KV,
         reshard the weights layer by layer from the rollout copy, and resume (see `migration.relayout`).
         `max_batch` per new instance defaults to keeping the total (old total / new count). `weights`: take
         the new instances' weights from these (this process's arrays) instead: a weight sync and a layout
-        change in one reshard (RollPacker's planner between steps)."""
+        change in one reshard (RollPacker's planner between steps). `classes` (`skew.Classes` on the new
+        instances): StreamRL's long/regular classes, each dealt over its own instances (PAT keeps them)."""
         if kv not in KV_MODES:
             raise ValueError(f"kv={kv!r}; valid choices: {', '.join(KV_MODES)}")
         self.pause()
@@ -305,7 +307,7 @@ class RolloutService:
         if max_batch is None:
             max_batch = max(1, sum(i.max_batch for i in self.instances) // len(groups))
         new, report = migration.relayout(self, groups, kv=kv, max_batch=max_batch, num_pages=num_pages, probe=probe,
-                                         weights=weights)
+                                         weights=weights, classes=classes)
         self.instances = new
         self._where = {rid: inst for inst in new for rid in inst.live_rids()}
         report.seconds = time.perf_counter() - t0

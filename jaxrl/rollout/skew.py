@@ -5,6 +5,7 @@
     svc.set_batch_caps(plan.caps)
     for p in range(len(prompts)):
         svc.add(prompts[p], params, instance=plan.instance[p], priority=plan.priority[p])   # LPT inside
+    svc.adaptive.classes = Classes.from_placement(plan)         # PAT's switches keep the classes (`Classes`)
 
 **Classification.** The prompts are sorted by predicted length (descending; ties by index) and the top
 α (⌈α·P⌉, the paper's α = 20%) are the long-tail prompts; the rest are regular.
@@ -179,6 +180,99 @@ def plan_placement(predicted: Seq[float], *, instances: int, group_size: int, ca
         caps = [split.bs_long] * split.n_long + [split.bs_reg] * (instances - split.n_long)
     return Placement([where[p] for p in range(len(predicted))], [float(x) for x in predicted], caps, long,
                      split, costs)
+
+
+# ------------------------------------------------------------------------ the classes through PAT's switches
+@dataclasses.dataclass
+class Classes:
+    """A step's long/regular classes as PAT's switches keep them (`tp_switch.AdaptiveTP.classes`).
+
+    `placed_long` of `placed` instances were the placement's long ones (Algorithm 2's N_l of N); the layout
+    now running has `instances`, of which the first `n_long` are the long class's, each class with its batch
+    cap. A live sequence is tagged once, the first time the switch driver sees it (`tag`): long when it sits
+    on a long instance of the layout then running; the tag stays with its request id through every switch.
+
+    After a switch to n' instances (`to`) the long class gets the first n'_long = max(1, round(N_l·n'/N))
+    (half up) when n' > 1 and long sequences are live, at most n' − 1 while regular ones are live, and all n'
+    when none are (an idle regular instance would only slow the tail); n' = 1 merges everything (no classes:
+    PAT's tail phase; the tags are kept, so a later split restores the classes). Each class is then dealt
+    over its own instances by the relayout's least-loaded rule (`deal_units`).
+
+    Simplified: the caps are Algorithm 2's per-instance caps for the placement's layout, kept (clamped to
+    the new instances' max_batch) rather than re-chosen for the new TP; and N'_l follows N_l in proportion
+    instead of re-running the (N_l, N_r) enumeration at the new layout (the paper's skew placement runs once
+    per step, before generation, and PAT's paper has no classes)."""
+
+    placed_long: int
+    placed: int
+    cap_long: int | None = None
+    cap_reg: int | None = None
+    n_long: int | None = None            # the running layout's long instances (default: the placement's)
+    instances: int | None = None
+    long: set[int] = dataclasses.field(default_factory=set)     # request ids tagged long
+    seen: set[int] = dataclasses.field(default_factory=set)     # request ids tagged
+
+    def __post_init__(self):
+        if not 0 <= self.placed_long < max(self.placed, 1):
+            raise ValueError(f"{self.placed_long} long instances of {self.placed}: need 0 <= N_l < N")
+        self.n_long = self.placed_long if self.n_long is None else self.n_long
+        self.instances = self.placed if self.instances is None else self.instances
+
+    @classmethod
+    def from_placement(cls, plan: Placement) -> Classes:
+        n = len(plan.caps)
+        return cls(plan.split.n_long, n, plan.split.bs_long if plan.split.n_long else None, plan.split.bs_reg)
+
+    def tag(self, rid: int, instance: int) -> bool:
+        """Tag a live sequence on first sight (long: on one of the running layout's long instances)."""
+        if rid not in self.seen:
+            self.seen.add(rid)
+            if instance < self.n_long:
+                self.long.add(rid)
+        return rid in self.long
+
+    def long_instances(self, n: int, has_long: bool, has_regular: bool) -> int:
+        """n'_long on `n` instances when long / regular sequences are live (class docstring)."""
+        if n <= 1 or not has_long:
+            return 0
+        if not has_regular:
+            return n
+        return min(max(1, math.floor(self.placed_long * n / self.placed + 0.5)), n - 1)
+
+    def to(self, n: int, rids: Seq[int]) -> Classes:
+        """The classes on `n` instances dealing the live sequences `rids` (tags shared, not copied)."""
+        has_long = any(r in self.long for r in rids)
+        has_reg = any(r not in self.long for r in rids)
+        return dataclasses.replace(self, n_long=self.long_instances(n, has_long, has_reg), instances=n,
+                                   long=self.long, seen=self.seen)
+
+    def targets(self, is_long: bool) -> range:
+        """The instances a sequence of the class may be dealt to (every instance where its class has none)."""
+        rng = range(0, self.n_long) if is_long else range(self.n_long, self.instances)
+        return rng if len(rng) else range(self.instances)
+
+    def caps(self) -> list[int | None]:
+        """Each running instance's batch cap: its class's; lifted (None) on a single instance."""
+        if self.instances <= 1:
+            return [None] * self.instances
+        return [self.cap_long] * self.n_long + [self.cap_reg] * (self.instances - self.n_long)
+
+
+def deal_units(units: Seq[tuple[int, bool]], n: int, classes: Classes | None = None) -> list[int]:
+    """A relayout's placement (`migration.deal`, and PAT's prediction of it, `adaptive_tp.merge_and_redistribute`):
+    units (context tokens, long?) in order, each to the instance of `n` holding the fewest context tokens so
+    far (ties: the lower index) — among its class's instances when `classes` (on `n` instances) are kept.
+    Returns each unit's instance."""
+    if classes is not None and classes.instances != n:
+        raise ValueError(f"classes on {classes.instances} instances, dealing over {n}")
+    load = [0] * n
+    out = []
+    for tokens, is_long in units:
+        rng = range(n) if classes is None else classes.targets(is_long)
+        j = min(rng, key=lambda i: (load[i], i))
+        out.append(j)
+        load[j] += tokens
+    return out
 
 
 def random_placement(prompts: int, instances: int, seed: int) -> list[int]:

@@ -22,6 +22,13 @@ candidate's `remaining_s`. `warm(tp)` is true for a layout this process has alre
 are in the process-wide cache), or, with `precompile` (`precompile.Precompiler`), one whose small decode
 buckets a background thread compiled after the controller first saw it and whose merged batch fits them;
 its compile cost then counts as 0.
+
+**StreamRL's classes.** When skew placement is active in a step (`train.skew_step.SkewStep.place` sets
+`classes`, a `skew.Classes`), every live sequence is tagged long or regular by the instance it sits on when
+first seen, the controller predicts each candidate with each class dealt over its own instances, and a
+switch keeps them: the relayout deals the classes the same way (`svc.relayout(..., classes=)`) and the new
+instances get their class's batch cap (lifted on a single instance, where the classes merge). The classes
+last until the next placement (or `home`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import time
 from pathlib import Path
 
 from .adaptive_tp import Live, Predictor, Profile, SwitchController, SwitchDecision, merge_and_redistribute
+from .skew import Classes
 from .planner import apply, rollout_tp_problem
 from .precompile import Precompiler
 
@@ -50,6 +58,7 @@ class AdaptiveTP:
         self._steps = 0
         self._open: list[SwitchDecision] = []  # decisions of the running generation, awaiting `remaining_s`
         self._reported = 0
+        self.classes: Classes | None = None    # StreamRL's long/regular classes of this step (None: no placement)
 
     @classmethod
     def from_config(cls, section, devices: int, model_cfg=None) -> AdaptiveTP | None:
@@ -86,7 +95,7 @@ class AdaptiveTP:
             return True
         if self.precompile is None or live is None:
             return False
-        groups = merge_and_redistribute(live, self.controller.devices // tp)
+        groups = merge_and_redistribute(live, self.controller.devices // tp, classes=self.classes)
         return self.precompile.ready(tp, max(len(g) for g in groups))
 
     def _first_sight(self, svc, current: int) -> None:
@@ -103,9 +112,14 @@ class AdaptiveTP:
         return tps.pop() if len(tps) == 1 else None
 
     def live(self, svc) -> list[Live]:
+        """The live sequences as the controller sees them (each tagged with its class when classes are kept)."""
+        rows = svc.sequence_stats()
+        if self.classes is not None:
+            for s in rows:
+                self.classes.tag(int(s["request_id"]), int(s["instance"]))
         return [Live(int(s["context_len"]), max(0, int(s["max_new_tokens"]) - int(s["generated"])), int(s["instance"]),
                      int(s["request_id"]), s["group"] if s["group"] is not None and s["pages"] else None)
-                for s in svc.sequence_stats()]
+                for s in rows]
 
     def after_step(self, svc) -> SwitchDecision | None:
         """Called by the service after each engine step; returns the decision when one was evaluated."""
@@ -124,10 +138,19 @@ class AdaptiveTP:
             return None
         if self.precompile is not None:
             self._first_sight(svc, tp)
-        d = self.controller.decide(tp, live, step=self._steps, warm=lambda t: self.warm(t, live))
+        d = self.controller.decide(tp, live, step=self._steps, warm=lambda t: self.warm(t, live),
+                                   classes=self.classes)
         d.actual["t0"] = time.perf_counter()
         if d.switch:
-            report = svc.relayout(d.tp, self.controller.devices // d.tp, kv=d.kv)
+            n = self.controller.devices // d.tp
+            if self.classes is None:
+                report = svc.relayout(d.tp, n, kv=d.kv)
+            else:                         # the classes the controller predicted with, then each class's cap
+                self.classes = self.classes.to(n, [x.rid for x in live])
+                report = svc.relayout(d.tp, n, kv=d.kv, classes=self.classes)
+                svc.set_batch_caps([None if c is None else min(c, i.max_batch)
+                                    for c, i in zip(self.classes.caps(), svc.instances)])
+                d.actual["long_instances"] = self.classes.n_long
             self.seen.add(d.tp)
             d.actual.update(switch_s=report.seconds, kv_s=report.kv.seconds, weight_bytes=report.weight_bytes,
                             weight_bytes_contiguous=report.weight_bytes_contiguous,
@@ -165,8 +188,9 @@ class AdaptiveTP:
 
     def home(self, svc, layout, weights=None, *, warm=None):
         """Between steps: bring the service back to `layout` (a `planner.RolloutLayout`: the step's starting
-        one, or the planner's), syncing `weights` on the way (`planner.apply`)."""
+        one, or the planner's), syncing `weights` on the way (`planner.apply`). The step's classes end here."""
         self._close()
+        self.classes = None
         self._steps = 0
         return apply(svc, layout, weights, warm=warm)
 

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         gen = cfg.engine.tp * (cfg.stage_balance.max_instances or cfg.engine.instances)
         local = gen + cfg.train_layout.num_devices // n_proc
     initialize(cfg.distributed, local)
+    from jaxrl.train.heartbeat import Heartbeat
+
+    heartbeat = Heartbeat.start(timeout_s=cfg.distributed.heartbeat_timeout, run_dir=cfg.run_dir)  # (None: 1 process)
     from jaxrl.runtime import enable_compilation_cache
 
     enable_compilation_cache()
@@ -97,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     except RewardsFailedError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
+    except BaseException:
+        if heartbeat is not None:    # another process died (a collective failed here), or this one failed
+            heartbeat.after_failure()
+        raise
+    if heartbeat is not None:
+        heartbeat.stop()             # done: the others are told this process finished, not lost
     if trainer.is_main:
         from jaxrl.train.metrics import run_summary
         from jaxrl.train.summary import write_summary

@@ -20,6 +20,10 @@ ranker's history; every sample's length enters the recent-length window for P50/
 **Checkpointed.** `state_dict()` (the ranker: weights, Adam state, history, metrics; the recent lengths;
 the step counter) goes into the checkpoint's meta, so kill -9 and resume continues with the same ranker.
 
+With PAT (`engine.adaptive_tp`), the placement's classes go to the switch driver (`svc.adaptive.classes`), so
+a TP switch mid-generation keeps them: each class dealt over its own share of the new instances
+(`skew.Classes`), merged only on a single instance.
+
 With RollPacker's stream trainer, the long-tail instances are among those it never frees (N_l is capped at
 their count), and a shrink moves each freed instance's requests to kept instances of the same class.
 
@@ -96,9 +100,12 @@ class SkewStep:
         """(instance, priority) per prompt, with the instances' batch caps set on `svc`. `max_long`: dedicated
         long-tail instances at most (the stream trainer's: the instances it never frees)."""
         n = len(svc.instances)
+        pat = svc.adaptive
         if not self.ranker.trained or not prompts:
             svc.set_batch_caps([None] * n)
             self.last_plan = None
+            if pat is not None:
+                pat.classes = None
             return [None] * len(prompts), [0.0] * len(prompts)
         predicted = self.ranker.predict(prompts)
         cap = min(i.max_batch for i in svc.instances)
@@ -106,8 +113,19 @@ class SkewStep:
             predicted, instances=n, group_size=self.group_size, cap=cap, ptl=self.ptl, lengths=list(self.recent),
             alpha=self.section.alpha, default_length=self.max_new_tokens, max_long=max_long)
         svc.set_batch_caps(plan.caps)
+        if pat is not None:          # PAT's switches keep the long/regular classes (`skew.Classes`)
+            pat.classes = skew.Classes.from_placement(plan)
         priority = plan.priority if self.section.lpt else [0.0] * len(prompts)
         return list(plan.instance), list(priority)
+
+    def instance_classes(self, svc) -> dict[int, str] | None:
+        """Instance -> "long" / "regular" of the running layout (None: no placement this step): the
+        placement's, or, after PAT switched mid-generation, the classes it kept."""
+        if self.last_plan is None:
+            return None
+        pat = svc.adaptive
+        n_long = pat.classes.n_long if pat is not None and pat.classes is not None else self.last_plan.split.n_long
+        return {k: "long" if k < n_long else "regular" for k in range(len(svc.instances))}
 
     def observe(self, prompts: list[list[int]], lengths: list[list[int]], *, log: Path | None = None) -> None:
         """After the rollout: each trained prompt's kept samples' response lengths (every process calls it).

@@ -435,11 +435,8 @@ class Trainer:
         return out
 
     def _instance_classes(self) -> dict[int, str] | None:
-        """StreamRL's skew placement of this rollout: instance -> "long" / "regular" (None: no placement)."""
-        plan = self.skew.last_plan if self.skew else None
-        if plan is None:
-            return None
-        return {k: "long" if k < plan.split.n_long else "regular" for k in range(len(self.svc.instances))}
+        """StreamRL's skew placement of the running layout: instance -> "long" / "regular" (None: none)."""
+        return self.skew.instance_classes(self.svc) if self.skew else None
 
     def _begin_streams(self):
         """Start the step's gradient stream, once per step (dynamic sampling's waves add to it): RollPacker's

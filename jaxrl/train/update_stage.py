@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import jax
 
+from jaxrl.config.train import check_rollout_kv_processes
+
 from . import rl
 
 
@@ -27,11 +29,13 @@ def prepare(tr, samples, kvs=None):
                                  mini, with_rows=True, behaviour=bool(cfg.trainer.async_steps))
     caches = None
     if kvs is not None:          # the rollout's K/V, packed like each micro-batch (on the train mesh)
-        offsets = tr.stager.stage(kvs)
+        check_rollout_kv_processes(cfg.trainer, jax.process_count())     # (a count from the environment)
+        offsets = tr.stager.stage(kvs)          # this process's sequences; `rows` is its own packing
         cached, lengths = [kv.length for kv in kvs], [len(s.prompt) + len(s.response) for s in samples]
         row_len = tr.updater.padded_len(tr.pack_len)
-        caches = [tr.stager.packed(tr.stager.index(rows, offsets, cached, lengths, j * tr.mb_rows,
-                                                   tr.mb_rows, row_len)) for j in range(len(mbs))]
+        local = tr.mb_rows // jax.process_count()       # its rows of each micro-batch (as rl.micro_batches)
+        caches = [tr.stager.packed(tr.stager.index(rows, offsets, cached, lengths, j * local, local, row_len))
+                  for j in range(len(mbs))]
     return mbs, caches
 
 

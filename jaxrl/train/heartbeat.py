@@ -1,0 +1,143 @@
+"""A lost process stops the run in one line, not a collective's C++ abort (multi-process runs).
+
+    hb = Heartbeat.start(timeout_s=20, run_dir="runs/x")    # after jax.distributed.initialize; one thread
+    ...                                                     # every process beats every timeout/10 s
+    hb.stop()                                               # at the end of the run: "done", not lost
+    hb.after_failure()                                      # the run raised: name a lost peer, or exit 1
+
+When one process of a multi-process run dies (kill -9, OOM, a lost host), the others block in their next
+collective; Gloo gives up after its own timeout with an `AllGather` error and aborts the process with a C++
+stack trace (77 s on this machine), and JAX's coordination service declares the task dead only after its
+heartbeat timeout (100 s). Neither says which process died or how to go on.
+
+Here each process runs a daemon thread that writes a counter under `jaxrl/heartbeat/<process>` in the
+coordination service's key-value store every `timeout_s / 10` seconds and reads every other process's.
+A process whose counter has not moved for `timeout_s` seconds, or a store that no longer answers (the
+coordinator, process 0, is gone), ends this process at once (`os._exit(EXIT_CODE)`, from the thread: the
+main thread may be blocked inside a collective) after one line on stderr naming the silent process and
+the newest committed checkpoint of the run directory, which the same command resumes from. The heartbeat
+thread is independent of the main thread's progress, so a long compile or a slow step never trips it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import jax
+from jax._src import distributed as jax_distributed
+
+from .checkpoint import MARKER
+
+EXIT_CODE = 75          # EX_TEMPFAIL: the run can be resumed
+PREFIX = "jaxrl/heartbeat/"
+DONE = "done"
+
+
+def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest step directory of `run_dir/checkpoints` with its COMMITTED marker (None: none yet)."""
+    root = Path(run_dir) / "checkpoints"
+    steps = [p for p in root.iterdir() if p.name.isdigit() and (p / MARKER).exists()] if root.is_dir() else []
+    return max(steps, key=lambda p: int(p.name), default=None)
+
+
+def lost_message(process: int, silent_s: float, timeout_s: float, run_dir, *, coordinator: bool = False) -> str:
+    """The one line a surviving process prints before it stops."""
+    who = f"process {process}" + (" (the coordinator)" if coordinator else "")
+    ckpt = newest_checkpoint(run_dir)
+    where = (f"the newest checkpoint is {ckpt.resolve()}: run the same command again to resume from it"
+             if ckpt is not None else "no checkpoint was written yet: run the same command again to start over")
+    return (f"[train] {who} stopped responding ({silent_s:.0f} s without a heartbeat, timeout {timeout_s:g} s); "
+            f"stopping this process; {where}")
+
+
+class Heartbeat:
+    def __init__(self, client, process: int, processes: int, *, timeout_s: float, run_dir,
+                 exit_fn=os._exit, clock=time.monotonic):
+        if timeout_s <= 0:
+            raise ValueError(f"heartbeat timeout {timeout_s} must be > 0")
+        self.client, self.process, self.processes = client, process, processes
+        self.timeout_s, self.run_dir = float(timeout_s), run_dir
+        self.exit_fn, self.clock = exit_fn, clock
+        self.beats = 0
+        self.seen: dict[int, tuple[str | None, float]] = {}      # process -> (last value, when it last changed)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, *, timeout_s: float, run_dir) -> Heartbeat | None:
+        """The heartbeat of this process of a jax.distributed run (None in a single-process run)."""
+        client = jax_distributed.global_state.client
+        if client is None or jax.process_count() == 1:
+            return None
+        hb = cls(client, jax.process_index(), jax.process_count(), timeout_s=timeout_s,
+                 run_dir=run_dir)
+        hb._thread = threading.Thread(target=hb._loop, name="jaxrl-heartbeat", daemon=True)
+        hb._thread.start()
+        return hb
+
+    def check(self) -> str | None:
+        """Beat once and look at the others: the line to stop with, or None when every process is alive."""
+        now = self.clock()
+        try:
+            self.beats += 1
+            self.client.key_value_set(f"{PREFIX}{self.process}", str(self.beats), allow_overwrite=True)
+            values = {p: self._get(p) for p in range(self.processes) if p != self.process}
+        except Exception:        # the store is gone: the coordinator (process 0) died
+            last = self.seen.get(0, (None, now))[1]
+            return lost_message(0, now - last, self.timeout_s, self.run_dir, coordinator=True)
+        for p, value in values.items():
+            if value == DONE:          # that process finished its run: nothing more to hear from it
+                continue
+            old, since = self.seen.get(p, (None, now))
+            if value != old or p not in self.seen:
+                self.seen[p] = (value, now)
+            elif now - since > self.timeout_s:
+                return lost_message(p, now - since, self.timeout_s, self.run_dir, coordinator=p == 0)
+        return None
+
+    def _get(self, p: int) -> str | None:
+        try:
+            return self.client.key_value_try_get(f"{PREFIX}{p}")
+        except Exception as e:       # not written yet (NOT_FOUND) is "no beat yet"; anything else propagates
+            if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+                return None
+            raise
+
+    def _loop(self):
+        while not self._stop.wait(self.timeout_s / 10):
+            line = self.check()
+            if line is not None and not self._stop.is_set():
+                print("\n" + line, file=sys.stderr, flush=True)      # (a progress bar may hold the line)
+                self.exit_fn(EXIT_CODE)
+                return
+
+    def after_failure(self) -> None:
+        """This process's run raised (in a multi-process run). When another process died, the collective that
+        raised here was its symptom: wait for the heartbeat to name it (one line, exit EXIT_CODE). When none
+        is lost within the timeout the failure is this process's own: its traceback, then exit 1 at once
+        (JAX's shutdown barrier would wait for the others until its own heartbeat timeout), and the others
+        stop within the timeout, naming this process."""
+        deadline = self.clock() + 1.5 * self.timeout_s
+        while self._thread is not None and self._thread.is_alive() and self.clock() < deadline:
+            time.sleep(self.timeout_s / 20)
+        self._stop.set()
+        traceback.print_exc()
+        print(f"[train] process {self.process} failed (above); the others stop within {self.timeout_s:g} s",
+              file=sys.stderr, flush=True)
+        self.exit_fn(1)
+
+    def stop(self, done: bool = True):
+        """Stop beating; `done`: the run ended well here, so the others are told this process is done (not
+        lost). A process that failed stops silently, and the others stop after the timeout, naming it."""
+        self._stop.set()
+        if not done:
+            return
+        try:
+            self.client.key_value_set(f"{PREFIX}{self.process}", DONE, allow_overwrite=True)
+        except Exception:
+            pass
