@@ -74,12 +74,14 @@ def allgather(x) -> np.ndarray:
 
 
 def gather_ragged(x) -> np.ndarray:
-    """The concatenation, in process order, of a 1-D host array whose length differs per process."""
+    """The concatenation, in process order, of a 1-D host array whose length differs per process. The gather
+    runs at the longest length rounded up to a power of two, so a run's varying lengths (dynamic sampling,
+    tail batching) reuse a few compiled gathers instead of compiling one per new length."""
     x = np.asarray(x).ravel()
     if jax.process_count() == 1:
         return x
     n = allgather(np.asarray([len(x)], np.int64))[:, 0]
-    padded = np.zeros(int(n.max()), x.dtype)
+    padded = np.zeros(1 << max(0, int(n.max()) - 1).bit_length(), x.dtype)
     padded[:len(x)] = x
     every = allgather(padded)
     return np.concatenate([every[p, :k] for p, k in enumerate(n)])

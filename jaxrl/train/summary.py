@@ -4,8 +4,8 @@ These are the figures of the README's quickstart table. `scripts/docs.py` render
 `scripts/results/quickstart.json`, a copy of a quickstart run's `summary.json`, so the table is never typed
 by hand:
 
-    scripts/venv.sh python -m jaxrl.train
-    cp runs/quickstart/summary.json scripts/results/quickstart.json && scripts/venv.sh python scripts/docs.py
+    scripts/venv.sh python scripts/quickstart_results.py quickstart    # runs it, copies summary.json there
+    scripts/venv.sh python scripts/docs.py
 
 Everything but `wall_s` comes from `metrics.jsonl`, so a resumed run's figures cover the whole run from
 step 0. `wall_s` is this process's time from `main()` to the end, after the venv check (which runs before
