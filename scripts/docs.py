@@ -414,24 +414,26 @@ def _sim():
     return _load_module("bench_sim_cluster", ROOT / "scripts" / "bench_sim_cluster.py"), load(SIM)
 
 
-def _sim_rows(s: dict) -> str:
-    return _load_module("jaxrl_sim_report", ROOT / "jaxrl" / "sim" / "report.py").table(s["rows"]).rstrip("\n")
-
-
 def _sim_block(text: str) -> str:
     return text.rstrip("\n") + "\n\n" + footer(SIM, who=SIM_WHO)
 
 
-@renders("sim-pat-llama8b")
-def sim_pat_llama8b() -> str:
+def _sim_pat(run: str, cap: int) -> str:
+    """One PAT recipe's table (responses capped at `cap` tokens)."""
     b, d = _sim()
-    return _sim_block(b.pat_table("pat_llama8b_h100", d["pat_llama8b_h100"]["summary"], 24576)[0])
+    return _sim_block(b.pat_table(run, d[run]["summary"], cap)[0])
 
 
-@renders("sim-pat-qwen14b")
-def sim_pat_qwen14b() -> str:
-    b, d = _sim()
-    return _sim_block(b.pat_table("pat_qwen3_14b_h100", d["pat_qwen3_14b_h100"]["summary"], 16384)[0])
+def _sim_summary(run: str) -> str:
+    """One recipe's rows, as jaxrl/sim/report.py prints them."""
+    report = _load_module("jaxrl_sim_report", ROOT / "jaxrl" / "sim" / "report.py")
+    return _sim_block(report.table(_sim()[1][run]["summary"]["rows"]))
+
+
+renders("sim-pat-llama8b")(lambda: _sim_pat("pat_llama8b_h100", 24576))
+renders("sim-pat-qwen14b")(lambda: _sim_pat("pat_qwen3_14b_h100", 16384))
+renders("sim-rollpacker-14b")(lambda: _sim_summary("rollpacker_qwen25_14b_h800"))
+renders("sim-streamrl")(lambda: _sim_summary("streamrl_qwen25_14b_h800"))
 
 
 @renders("sim-pat-nodes")
@@ -447,23 +449,11 @@ def sim_rollpacker_ladder() -> str:
     return _sim_block(b.ladder_table({n: d[n]["summary"] for n in names}))
 
 
-@renders("sim-rollpacker-14b")
-def sim_rollpacker_14b() -> str:
-    _, d = _sim()
-    return _sim_block(_sim_rows(d["rollpacker_qwen25_14b_h800"]["summary"]))
-
-
 @renders("sim-rollpacker-scale")
 def sim_rollpacker_scale() -> str:
     b, d = _sim()
     return _sim_block(b.sweep_table(d["rollpacker_scale_14b_h800"]["summary"], ["baseline", "rollpacker"],
                                     "prompts_per_s"))
-
-
-@renders("sim-streamrl")
-def sim_streamrl() -> str:
-    _, d = _sim()
-    return _sim_block(_sim_rows(d["streamrl_qwen25_14b_h800"]["summary"]))
 
 
 @renders("sim-distflow")

@@ -73,6 +73,14 @@ def _checkpoint_leaves(run_dir, key):
     return jax.tree.leaves(state[key])
 
 
+def _same_weights(ref, *runs):
+    """Each run's final weights equal `ref`'s within PARAM_ATOL_F32."""
+    want = _params(ref)
+    for run in runs:
+        for a, b in zip(want, _params(run)):
+            np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+
 def _metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -429,9 +437,7 @@ def test_dynamic_sampling_waves_stream_into_one_update(tmp_path):
             assert [r[key] for r in m1] == [r[key] for r in m], key
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose([r[key] for r in m], [r[key] for r in m1], rtol=1e-5, atol=1e-7, err_msg=key)
-    for run in (dis, st):
-        for a, b in zip(_params(col), _params(run)):
-            np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+    _same_weights(col, dis, st)
 
 
 def test_disaggregated_equals_colocated(tmp_path):
@@ -453,9 +459,7 @@ def test_disaggregated_equals_colocated(tmp_path):
     assert all(r["blockwise/blocks"] > 0 and "placement/groups" not in r for r in m3)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in m3], [r[key] for r in m1], rtol=1e-5, atol=1e-6, err_msg=key)
-    for run in (dis, kv):
-        for a, b in zip(_params(col), _params(run)):
-            np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+    _same_weights(col, dis, kv)
 
 
 def test_ppo_on_a_separate_train_pool(tmp_path):

@@ -46,6 +46,14 @@ from jaxrl.rollout.shapes import fine_bucket
 from models import ModelConfig
 
 
+def kv_capacity(cfg) -> int:
+    """Tokens of one step's exported rollout K/V at most (a `TrainConfig`): every sequence of the step at its
+    largest page bucket."""
+    ps = cfg.engine.page_size
+    pages = -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // ps)
+    return cfg.algo.prompts_per_step * cfg.algo.group_size * fine_bucket(pages) * ps
+
+
 @jax.jit
 def _write(buf, x, offset):
     return lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), offset, axis=1)

@@ -55,10 +55,9 @@ from . import rl
 from .batch import FIELDS, INT_FIELDS, Sample
 from .blockwise import BlockwiseUpdater
 from .critic import Critic
-from .rollout_kv import KVStager
+from .rollout_kv import KVStager, kv_capacity
 from .rounds import tail_round
 from jaxrl.rollout.memory import DEFAULT_MEMORY_FRACTION, device_memory, holds_request
-from jaxrl.rollout.shapes import fine_bucket
 from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layout, total_preemptions
 from jaxrl.rollout.tail_batching import TailBatcher
@@ -144,7 +143,7 @@ class Trainer:
                                             kv_source=t.kv_source)
             self.mb_rows = rl.micro_batch_rows(cfg, self.mesh, self.pack_len)
             if rl.uses_rollout_kv(cfg):
-                self.stager = KVStager(self.model_cfg, self.mesh, self._kv_capacity(), self.dtype)
+                self.stager = KVStager(self.model_cfg, self.mesh, kv_capacity(cfg), self.dtype)
         elif t.micro_batch_tokens:      # fixed-shape micro-batches: one compiled gradient step
             self.updater = Updater(self.model_cfg, self.spec, self.tx)
             self.mb_rows = rl.micro_batch_rows(cfg, self.mesh, self.pack_len)
@@ -213,13 +212,6 @@ class Trainer:
         dtype = jax.tree.leaves(self.params)[0].dtype
         return holds_request(self.model_cfg, devices, page_size=e.page_size, budget=budget, dtype=dtype,
                              max_seq_len=e.max_seq_len)
-
-    def _kv_capacity(self) -> int:
-        """Tokens of one step's exported rollout K/V at most: every sequence at its largest page bucket."""
-        cfg = self.cfg
-        ps = cfg.engine.page_size
-        pages = -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // ps)
-        return cfg.algo.prompts_per_step * cfg.algo.group_size * fine_bucket(pages) * ps
 
     # ---------------------------------------------------------------------------------------- setup
     def _setup_data(self):
