@@ -4,7 +4,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -169,7 +169,6 @@ def test_split_from_a_runs_stage_times(tmp_path):
     (["placement=sideways"], "valid choices"),
     (["placement=disaggregated", "trainer.stream.enabled=true", "engine.instances=2"], "own devices"),
     (["placement=disaggregated", "trainer.micro_batch_tokens=null"], "fixed-shape"),
-    (["placement=disaggregated", "trainer.async_steps=1", "distributed.num_processes=2"], "one process"),
     (["placement=disaggregated", "stage_balance.scale_up=true"], "spare devices"),
     (["placement=disaggregated", "trainer.async_steps=1", "trainer.backward=blockwise", "trainer.kv_source=rollout"],
      "another policy's"),

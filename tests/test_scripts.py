@@ -7,8 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 VENV_SH = ROOT / "scripts" / "venv.sh"
 LAUNCH = ROOT / "scripts" / "launch_local.sh"

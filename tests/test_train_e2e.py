@@ -520,13 +520,17 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     assert [r["planner/tp"] for r in m3] == [2, 1, 1]
 
 
-def test_disaggregated_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
     """Each of 2 processes gives 2 devices to the shared fsdp=4 train mesh and 2 to its own generation
     instances; the weights reach the instances by the cross-process on-device reshard. Same rollouts and,
     within float tolerance, the same weights as one process with 4 + 4 devices (which streams its groups'
-    gradients during the rollout; two processes train after it)."""
+    gradients during the rollout; two processes train after it). async: one-step-async on both, the next
+    rollout's agreements between the processes (key-value store) running while the update's device
+    collectives run on the train pool's thread."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated"]
+    common = ["steps=3" if asynchronous else "steps=2", "save_every=null", *POOLS, "placement=disaggregated",
+              f"trainer.async_steps={int(asynchronous)}"]
     _train(one, *common)
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
            *TINY, *common, "engine.instances=2"]
@@ -535,7 +539,9 @@ def test_disaggregated_two_processes_equal_one(tmp_path):
     m1, m2 = _metrics(one), _metrics(two)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
-    assert [r["placement/train_devices"] for r in m2] == [4, 4] and [r["placement/gen_devices"] for r in m2] == [2, 2]
+    assert {r["placement/train_devices"] for r in m2} == {4} and {r["placement/gen_devices"] for r in m2} == {2}
+    if asynchronous:         # steps 1 and 2 trained on rollouts of the weights one step behind
+        assert [r["placement/staleness"] for r in m2] == [0, 1, 1]
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
 

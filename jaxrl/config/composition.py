@@ -120,13 +120,14 @@ RECIPE_HEADER = """# Every mechanism that composes, in one run at quickstart siz
 """
 
 
-# Its disaggregated, one-step-async variant (configs/all_mechanisms_async.yaml): one process (async refuses
-# more), 4 train devices beside 2 generation instances; the rollout side (tail batching's rounds, dynamic
-# sampling's waves, skew placement, the planner's layout) runs one step ahead of the update.
+# Its disaggregated, one-step-async variant (configs/all_mechanisms_async.yaml): one process (to keep CI's
+# run small; async composes with 2 processes, tests/test_train_e2e.py), 4 train devices beside 2 generation
+# instances; the rollout side (tail batching's rounds, dynamic sampling's waves, skew placement, the
+# planner's layout) runs one step ahead of the update.
 RECIPE_ASYNC = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "async")
 RECIPE_ASYNC_HEADER = """# The all-mechanisms recipe on StreamRL's disaggregated pools, one-step-async (issue 32): tail batching with
 # dynamic sampling, the TP planner, skew placement, the blockwise backward and token repartition, with the
-# next rollout running while each step trains (one process: async refuses more):
+# next rollout running while each step trains (one process, to keep CI's run small):
 #   scripts/venv.sh python -m jaxrl.train --config configs/all_mechanisms_async.yaml
 # Written by scripts/composition.py (RECIPE_ASYNC); tests/test_composition.py fails when this file differs.
 """

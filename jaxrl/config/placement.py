@@ -65,7 +65,3 @@ def check_placement(cfg) -> None:
             raise ConfigError("trainer.kv_source", f"rollout {why}: a rollout trained one step late was made by "
                               "the weights before the update, so its K/V are another policy's and the blockwise "
                               "gradient would not be exact; use kv_source=recompute")
-        if (cfg.distributed.num_processes or 1) > 1:
-            raise ConfigError("distributed.num_processes", f"{cfg.distributed.num_processes} {why}: the next rollout's "
-                              "cross-process agreements (global counts) would interleave with the update's "
-                              "collectives in a different order on each process; run one process")

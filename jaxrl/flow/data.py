@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from .graph import Node
-from .planner import Plan
 
 
 @dataclasses.dataclass
@@ -65,29 +63,3 @@ class StepData:
                 setattr(self, name, [v[i] for i in idx])
         self.cache.clear()
         return keep.count(False)
-
-
-@dataclasses.dataclass
-class FlowContext:
-    """What a node function gets besides the data: the trainer, its own node and the plan."""
-
-    trainer: Any
-    node: Node
-    plan: Plan
-
-    @property
-    def streamed(self) -> bool:
-        """True when this node is a streamed consumer of a pipelined stage (its items were handled while
-        the producer ran)."""
-        return self.plan.streamed(self.node.id)
-
-    @property
-    def rewards_streamed(self) -> bool:
-        """Whether the plan scores rewards as the rollout yields responses (a streamed reward node)."""
-        return any(n.role == "reward" and n.type == "compute" and self.plan.streamed(n.id) for n in self.plan.graph.nodes)
-
-    def streams_to(self, role: str, type: str) -> bool:
-        """Whether a node of (role, type) takes this (head) node's items as a stream in its pipelined stage:
-        the producer then wires that consumer's per-item work into its own loop."""
-        stage = self.plan.stage_of(self.node.id)
-        return stage.head.id == self.node.id and any(n.role == role and n.type == type for n in stage.nodes[1:])

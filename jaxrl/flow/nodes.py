@@ -1,6 +1,6 @@
 """The built-in nodes: the trainer's existing stage functions, registered by (role, type).
 
-    (actor, model_inference)      rollout      prompts -> completions (`Trainer.collect`: tail batching's
+    (actor, model_inference)      rollout      prompts -> completions (`RolloutSide.collect`: tail batching's
                                                rounds, skew placement, PAT switches live there)
     (reward, compute)             reward       completions -> rewards; streamed: scored as each response
                                                finishes, inside the rollout's loop
@@ -12,7 +12,7 @@
 
 Streamed update (RollPacker's stream trainer, StreamRL's pipelining): reward, advantage, reference and
 update are all streamed consumers of the rollout; the rollout wires their per-group work into its loop
-(`Trainer.collect`'s hooks) and each node's function then finishes what is left after the stream.
+(`RolloutSide.collect`'s hooks) and each node's function then finishes what is left after the stream.
 
 Packing into the update's micro-batches happens once per step (`train_batches`), after the databuffer's
 repartition when `trainer.repartition=tokens` (`jaxrl.flow.databuffer`).
@@ -32,19 +32,19 @@ from jaxrl.train.batch import Sample
 from jaxrl.train.distributed import global_sum
 from jaxrl.train.pipeline import check_staleness
 
-from .data import FlowContext, StepData
+from .context import FlowContext, TrainContext
+from .data import StepData
 from .registry import register
 
 
 @register("actor", "model_inference", name="rollout")
 def rollout(ctx: FlowContext, data: StepData) -> None:
     """Step `data.step`'s rollout (or one-step-async's prefetched one) on the weights the engine holds."""
-    tr = ctx.trainer
-    got = tr.prefetched if tr.prefetched is not None else tr.collect(data.step, score=ctx.rewards_streamed)
-    tr.prefetched = None
+    tc = ctx.train
+    got = tc.rollout.take(data.step, score=ctx.rewards_streamed)
     data.rows, data.completions, data.rewards, data.stats = got.rows, got.completions, got.rewards, got.stats
-    data.plan, data.version, data.group_size = got.plan, got.version, tr.cfg.algo.group_size
-    data.prompts = encode_prompts(data.rows, tr.tokenizer, tr.cfg.data.chat)     # the trained prompts, in order
+    data.plan, data.version, data.group_size = got.plan, got.version, tc.cfg.algo.group_size
+    data.prompts = encode_prompts(data.rows, tc.tokenizer, tc.cfg.data.chat)     # the trained prompts, in order
 
 
 @register("reward", "compute", name="reward", stream=True)
@@ -53,18 +53,18 @@ def reward(ctx: FlowContext, data: StepData) -> None:
     ran. Otherwise the whole batch is scored now, through the same reward scheduler."""
     if ctx.streamed:
         return
-    tr = ctx.trainer
-    data.rewards, got = rl.score_batch(tr.rewards, tr.tokenizer, tr.cfg, data.rows, data.completions, data.group_size)
+    tc = ctx.train
+    data.rewards, got = rl.score_batch(tc.rewards, tc.tokenizer, tc.cfg, data.rows, data.completions, data.group_size)
     data.stats.update(got)
     data.stats["reward_s"] = got["seconds"]
-    tr.reward_guard.update(data.stats)
+    tc.reward_guard.update(data.stats)
 
 
 @register("advantage", "compute", name="advantage", stream=True)
 def advantage(ctx: FlowContext, data: StepData, estimator: str | None = None) -> None:
     """Per-token advantages (`algo.advantage`; a graph that names `estimator` is checked against it when the
     plan is built) and one training sample per completion."""
-    cfg, G = ctx.trainer.cfg, data.group_size
+    cfg, G = ctx.train.cfg, data.group_size
     kl = data.kl
     if cfg.algo.kl_in_reward and kl is None:
         raise RuntimeError(f"node {ctx.node.id!r}: algo.kl_in_reward needs the per-token KL (data.kl) from a "
@@ -90,30 +90,31 @@ def any_samples(data: StepData) -> bool:
     return bool(int(global_sum([len(data.samples or [])])[0]))
 
 
-def update_samples(tr, data: StepData) -> list:
+def update_samples(tc: TrainContext, data: StepData) -> list:
     """This process's samples for the update: after the databuffer's repartition when
     `trainer.repartition=tokens` (its metrics go to the step's), else the rollout's own."""
-    if tr.databuffer is None:
+    if tc.databuffer is None:
         return data.samples
-    samples, m = tr.databuffer.repartition(data.samples)
+    samples, m = tc.databuffer.repartition(data.samples)
     data.metrics.update(m)
     return samples
 
 
-def train_batches(tr, data: StepData):
+def train_batches(tc: TrainContext, data: StepData):
     """The update's fixed-shape micro-batches (and the rollout K/V caches), packed once per step; with
     `trainer.repartition=tokens` the samples are first repartitioned over the processes by tokens."""
     if "mbs" not in data.cache:
-        kvs = [c.kv for c in data.completions] if tr.stager else None     # MetroRLHF kv_source=rollout
-        data.cache["mbs"] = stage.prepare(tr, update_samples(tr, data), kvs)
+        kvs = [c.kv for c in data.completions] if tc.update.stager else None     # MetroRLHF kv_source=rollout
+        data.cache["mbs"] = stage.prepare(tc.update, update_samples(tc, data), kvs)
     return data.cache["mbs"]
 
 
-def whole_batch(tr, data: StepData) -> dict:
+def whole_batch(tc: TrainContext, data: StepData) -> dict:
     """trainer.micro_batch_tokens=null: the one bucketed global batch, packed once per step."""
     if "batch" not in data.cache:
-        data.cache["batch"] = rl.global_batch(update_samples(tr, data), tr.cfg, tr.mesh, tr.pack_len,
-                                              tr.cfg.rollout.max_new_tokens)
+        uc = tc.update
+        data.cache["batch"] = rl.global_batch(update_samples(tc, data), uc.cfg, uc.mesh, uc.pack_len,
+                                              uc.cfg.rollout.max_new_tokens)
     return data.cache["batch"]
 
 
@@ -122,16 +123,17 @@ def reference(ctx: FlowContext, data: StepData) -> None:
     """The reference policy's log-probs of the packed batch. Where the update does not run on this thread
     from packed micro-batches (a streamed update computes them per group; the train pool's thread computes
     them beside the update), the update computes them instead."""
-    tr = ctx.trainer
-    if not tr.spec.kl_coef or ctx.streamed or tr.worker is not None or not any_samples(data):
+    tc = ctx.train
+    uc = tc.update
+    if not uc.spec.kl_coef or ctx.streamed or tc.worker is not None or not any_samples(data):
         return            # (no KL loss term: algo.kl_in_reward puts the KL in the rewards, node reward_kl)
-    if tr.updater:
-        mbs, _ = train_batches(tr, data)
+    if uc.fused is None:
+        mbs, _ = train_batches(tc, data)
         for mb in mbs:
-            mb["ref_logp"] = tr.updater.logprobs(tr.ref_params, mb)
+            mb["ref_logp"] = uc.updater.logprobs(uc.policy.ref_params, mb)
     else:
-        batch = whole_batch(tr, data)
-        batch["ref_logp"] = tr.logprob_fn(tr.ref_params, batch)
+        batch = whole_batch(tc, data)
+        batch["ref_logp"] = uc.fused.logprobs(uc.policy.ref_params, batch)
 
 
 @register("actor", "model_train", name="update", stream=True)
@@ -139,34 +141,35 @@ def update(ctx: FlowContext, data: StepData) -> None:
     """The policy update from the step's samples: the stream trainer's or the pipelined gradient stream's
     final update, one-step-async's update on the train pool (the next rollout is collected meanwhile), or
     the colocated update; sets `data.train_metrics` (host values)."""
-    tr, cfg = ctx.trainer, ctx.trainer.cfg
+    tc, cfg = ctx.train, ctx.train.cfg
+    uc, pol, rs = tc.update, tc.policy, tc.rollout
     check_staleness(data.step, [data.version])
     if not any_samples(data):         # every group was dropped (dynamic sampling, a group filter)
         waves = f", dynamic sampling's {data.stats['waves']} waves" if "waves" in data.stats else ""
-        tr.log.warning("step %d: every group's rewards were all equal (or filtered out%s); nothing to train, "
+        tc.log.warning("step %d: every group's rewards were all equal (or filtered out%s); nothing to train, "
                        "no update", data.step, waves)
         data.train_metrics = {"kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "loss": 0.0,
                               "skipped": 0}
         if cfg.trainer.async_steps and data.step + 1 < cfg.steps:     # the next rollout still runs one step ahead
-            tr.prefetched = tr.collect(data.step + 1, score=ctx.rewards_streamed)
+            rs.prefetched = rs.collect(data.step + 1, score=ctx.rewards_streamed)
         return
-    if tr.stream:          # the groups' gradients were (partly) computed during the rollout
-        tr.params, tr.opt_state, m = tr.stream.finish(tr.params, tr.opt_state)
+    if tc.stream:          # the groups' gradients were (partly) computed during the rollout
+        pol.params, pol.opt_state, m = tc.stream.finish(pol.params, pol.opt_state)
         m = jax.device_get(m)
-    elif tr.gstream:       # StreamRL sync: the rest on the train pool, sums combined, one update
+    elif tc.gstream:       # StreamRL sync: the rest on the train pool, sums combined, one update
         t = time.perf_counter()
-        tr.params, tr.opt_state, m = tr.worker.submit("update", tr.gstream.apply, tr.params, tr.opt_state).result()
+        pol.params, pol.opt_state, m = tc.worker.submit("update", tc.gstream.apply, pol.params, pol.opt_state).result()
         m, data.train_wait_s = jax.device_get(m), time.perf_counter() - t
     elif cfg.trainer.async_steps:     # StreamRL one-step-async: the next rollout runs while this trains
-        fut = tr.worker.submit("update", stage.run, tr, *train_batches(tr, data))
+        fut = tc.worker.submit("update", stage.run, uc, *train_batches(tc, data))
         if data.step + 1 < cfg.steps:
-            tr.prefetched = tr.collect(data.step + 1, score=ctx.rewards_streamed)
+            rs.prefetched = rs.collect(data.step + 1, score=ctx.rewards_streamed)
         t = time.perf_counter()
         m, data.train_wait_s = jax.device_get(fut.result()), time.perf_counter() - t
-    elif tr.worker is not None:       # disaggregated, several processes: after the rollout, on the train pool
-        m = jax.device_get(tr.worker.submit("update", stage.run, tr, *train_batches(tr, data)).result())
-    elif tr.updater:
-        m = jax.device_get(stage.run(tr, *train_batches(tr, data)))
+    elif tc.worker is not None:       # disaggregated, several processes: after the rollout, on the train pool
+        m = jax.device_get(tc.worker.submit("update", stage.run, uc, *train_batches(tc, data)).result())
+    elif uc.fused is None:
+        m = jax.device_get(stage.run(uc, *train_batches(tc, data)))
     else:
-        m = stage.fused(tr, whole_batch(tr, data))
+        m = stage.fused(uc, whole_batch(tc, data))
     data.train_metrics = m

@@ -24,26 +24,27 @@ from jaxrl.train import rl
 from jaxrl.train.batch import Sample, unpack
 from jaxrl.train.distributed import global_sum, local_rows
 
-from .data import FlowContext, StepData
+from .context import FlowContext, TrainContext
+from .data import StepData
 from .nodes import any_samples
 from .registry import register
 
 
-def sequences(tr, data: StepData):
+def sequences(tc: TrainContext, data: StepData):
     """(micro-batches, packing, samples) of the step's (prompt, response) sequences, packed once per step."""
     if "sequences" not in data.cache:
-        cfg, G = tr.cfg, data.group_size
+        uc, G = tc.update, data.group_size
         seqs = [Sample(data.prompts[k // G], c.tokens) for k, c in enumerate(data.completions)]
-        mbs, rows = rl.micro_batches(seqs, cfg, tr.mesh, tr.pack_len, cfg.rollout.max_new_tokens, tr.mb_rows,
+        mbs, rows = rl.micro_batches(seqs, uc.cfg, uc.mesh, uc.pack_len, uc.cfg.rollout.max_new_tokens, uc.mb_rows,
                                      with_rows=True)
         data.cache["sequences"] = (mbs, rows, seqs)
     return data.cache["sequences"]
 
 
-def per_response(tr, data: StepData, arrays: list) -> list[np.ndarray]:
+def per_response(tc: TrainContext, data: StepData, arrays: list) -> list[np.ndarray]:
     """One [rows, L] global array per micro-batch of `sequences` -> each sample's values at its response
     tokens (this process's samples, in order)."""
-    mbs, rows, seqs = sequences(tr, data)
+    mbs, rows, seqs = sequences(tc, data)
     sharding = mbs[0]["tokens"].sharding          # how the rows were assembled (there is always one micro-batch)
     return unpack(np.concatenate([local_rows(x, sharding) for x in arrays]), rows, seqs)
 
@@ -51,9 +52,9 @@ def per_response(tr, data: StepData, arrays: list) -> list[np.ndarray]:
 @register("critic", "model_inference", name="values")
 def values(ctx: FlowContext, data: StepData) -> None:
     """The critic's value of each response token's state, at rollout time (GAE's V and the clip's V_old)."""
-    tr = ctx.trainer
-    mbs, _, _ = sequences(tr, data)
-    data.values = per_response(tr, data, [tr.critic.values(mb) for mb in mbs])
+    tc = ctx.train
+    mbs, _, _ = sequences(tc, data)
+    data.values = per_response(tc, data, [tc.critic.values(mb) for mb in mbs])
 
 
 @functools.partial(jax.jit, static_argnames="kind")
@@ -65,12 +66,12 @@ def _token_kl(logp, ref_logp, mask, kind: str):
 def reward_kl(ctx: FlowContext, data: StepData) -> None:
     """algo.kl_in_reward: each response token's KL estimate between the policy that sampled it (the weights
     the trainer holds: on-policy) and the reference, for the advantage node's token rewards."""
-    tr = ctx.trainer
-    kind = tr.cfg.algo.kl_estimator
-    mbs, _, _ = sequences(tr, data)
-    kl = [_token_kl(tr.updater.logprobs(tr.params, mb), tr.updater.logprobs(tr.ref_params, mb), mb["loss_mask"], kind)
+    tc = ctx.train
+    kind, upd, pol = tc.cfg.algo.kl_estimator, tc.update.updater, tc.policy
+    mbs, _, _ = sequences(tc, data)
+    kl = [_token_kl(upd.logprobs(pol.params, mb), upd.logprobs(pol.ref_params, mb), mb["loss_mask"], kind)
           for mb in mbs]
-    data.kl = per_response(tr, data, kl)
+    data.kl = per_response(tc, data, kl)
     total, tokens = global_sum([float(sum(x.sum() for x in data.kl)), float(sum(len(x) for x in data.kl))])
     data.metrics["reward_kl"] = total / max(tokens, 1.0)      # mean KL per response token, all processes
 
@@ -79,14 +80,14 @@ def reward_kl(ctx: FlowContext, data: StepData) -> None:
 def critic_update(ctx: FlowContext, data: StepData) -> None:
     """algo.mini_batches updates of the critic on the GAE returns (clipped around the rollout-time values);
     its metrics (critic/...) join the step's."""
-    tr, cfg = ctx.trainer, ctx.trainer.cfg
+    tc, cfg = ctx.train, ctx.train.cfg
     if not any_samples(data):
         return
-    _, _, seqs = sequences(tr, data)
-    mini = cfg.algo.mini_batches
-    mbs = rl.micro_batches(seqs, cfg, tr.mesh, tr.pack_len, cfg.rollout.max_new_tokens, tr.mb_rows, mini,
+    _, _, seqs = sequences(tc, data)
+    mini, uc = cfg.algo.mini_batches, tc.update
+    mbs = rl.micro_batches(seqs, cfg, uc.mesh, uc.pack_len, cfg.rollout.max_new_tokens, uc.mb_rows, mini,
                            token_fields={"returns": data.returns, "old_values": data.values})
     per = len(mbs) // mini
     for k in range(mini):
-        m = tr.critic.update(mbs[k * per:(k + 1) * per])
+        m = tc.critic.update(mbs[k * per:(k + 1) * per])
     data.metrics.update(m)

@@ -5,7 +5,8 @@ A node function is
     def fn(ctx: jaxrl.flow.FlowContext, data: jaxrl.flow.StepData, **options) -> None
 
 It reads what its deps left in `data` and writes its own outputs there (the step's databuffer on this
-process). `ctx.trainer` is the running trainer (models, optimizer, rollout service, config);
+process). `ctx.train` is the run's components (`TrainContext`: config, update and policy, rollout side,
+rewards, ...);
 `ctx.node` is the node; `ctx.streamed` tells a built-in node that it runs inside a pipelined stage (its
 items were handled as the producer yielded them). A user node is named by `fn: package.module:function`
 (importable from the run's directory or PYTHONPATH) and is checked when the plan is built: the import,

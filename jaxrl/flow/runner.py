@@ -4,7 +4,7 @@ worker, §5: every process runs the same chain; no coordinator).
 
     flow = Flow.build(cfg, streamed_update=...)
     data = StepData(step)
-    flow.run(trainer, data)          # each stage in order; data.times[node] = (start, end)
+    flow.run(train, data)            # `TrainContext`; each stage in order; data.times[node] = (start, end)
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import dataclasses
 import time
 
 from . import nodes, ppo  # noqa: F401  (their @register decorators fill the registry with the built-in nodes)
-from .data import FlowContext, StepData
+from .context import FlowContext, TrainContext
+from .data import StepData
 from .graph import Graph, GraphError, check, load_graph
 from .planner import Plan, plan
 from .registry import NodeFn, bind
@@ -89,14 +90,14 @@ class Flow:
                 todo.extend(by_id[d].deps)
         return seen
 
-    def run(self, trainer, data: StepData) -> StepData:
+    def run(self, train: TrainContext, data: StepData) -> StepData:
         """Every stage in order: a pipelined stage's head runs (its streamed consumers' per-item work
         inside it), then each consumer finishes what is left, in chain order."""
         times = data.extra.setdefault("times", {})
         for st in self.plan.stages:
             for node in st.nodes:
                 t0 = time.perf_counter()
-                self.fns[node.id](FlowContext(trainer, node, self.plan), data, **node.options)
+                self.fns[node.id](FlowContext(train, node, self.plan), data, **node.options)
                 times[node.id] = (t0, time.perf_counter())
         return data
 

@@ -29,6 +29,17 @@ first seen, the controller predicts each candidate with each class dealt over it
 switch keeps them: the relayout deals the classes the same way (`svc.relayout(..., classes=)`) and the new
 instances get their class's batch cap (lifted on a single instance, where the classes merge). The classes
 last until the next placement (or `home`).
+
+**Several processes, one decision** (`agree` set: a multi-process run, each process driving the pool of its
+own devices, as PAT's intra-node switch is per node). Every process evaluates Algorithm 1 on its own live
+sequences at the same tick and the processes agree on one decision: each candidate's cost is the largest
+over the processes that still decode (the step's rollout ends with its slowest pool; a process that has
+finished contributes nothing), the current layout's time likewise, and the `min_gain` rule then picks one
+TP for all. Every process switches at that tick, each moving its own state the way its own prediction
+chose (migrate or recompute). Ticks are counted alike on every process: an engine step of a process with
+work, one pass of the rollout loop of a process without (`idle_tick`, so it takes part until the processes
+have all finished: `pending`); a check tick exchanges the processes' predictions (`agree`: the run's
+key-value-store exchange, its own stream of calls).
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 from .adaptive_tp import Live, Predictor, Profile, SwitchController, SwitchDecision, merge_and_redistribute
 from .skew import Classes
@@ -59,6 +73,8 @@ class AdaptiveTP:
         self._open: list[SwitchDecision] = []  # decisions of the running generation, awaiting `remaining_s`
         self._reported = 0
         self.classes: Classes | None = None    # StreamRL's long/regular classes of this step (None: no placement)
+        self.agree: Callable[[np.ndarray], list[np.ndarray]] | None = None   # several processes: the exchange
+        self._all_done = False                 # several processes: every one has finished this generation
 
     @classmethod
     def from_config(cls, section, devices: int, model_cfg=None) -> AdaptiveTP | None:
@@ -126,6 +142,8 @@ class AdaptiveTP:
         tp = self.uniform_tp(svc)
         if tp is not None:
             self.seen.add(tp)
+        if self.agree is not None:
+            return self.idle_tick(svc)
         if not svc.has_work():
             self._close()
             self._steps = 0
@@ -140,6 +158,10 @@ class AdaptiveTP:
             self._first_sight(svc, tp)
         d = self.controller.decide(tp, live, step=self._steps, warm=lambda t: self.warm(t, live),
                                    classes=self.classes)
+        return self._apply(svc, d, live)
+
+    def _apply(self, svc, d: SwitchDecision, live: list[Live]) -> SwitchDecision:
+        """Carry out decision `d` (relayout on a switch) and record it."""
         d.actual["t0"] = time.perf_counter()
         if d.switch:
             n = self.controller.devices // d.tp
@@ -155,13 +177,65 @@ class AdaptiveTP:
             d.actual.update(switch_s=report.seconds, kv_s=report.kv.seconds, weight_bytes=report.weight_bytes,
                             weight_bytes_contiguous=report.weight_bytes_contiguous,
                             kv_bytes=report.kv.kv_bytes, moved=report.sequences, compiles=report.compiles)
+            rest, cost = next(((c.remaining_s, c.switch_s) for c in d.candidates if c.tp == d.tp), (0.0, 0.0))
             log.info("PAT: TP %d -> %d at decode step %d (%d live, %d context tokens; predicted %.3f s -> %.3f s "
                      "+ %.3f s switch, kv %s; switched in %.3f s)", d.current, d.tp, d.step, d.batch, d.tokens,
-                     d.current_s, next(c.remaining_s for c in d.candidates if c.tp == d.tp),
-                     next(c.switch_s for c in d.candidates if c.tp == d.tp), d.kv, report.seconds)
+                     d.current_s, rest, cost, d.kv, report.seconds)
         self.decisions.append(d)
         self._open.append(d)
         return d
+
+    # ------------------------------------------------------------------------------ several processes
+    def begin(self) -> None:
+        """A generation starts (with `agree`: on every process, together)."""
+        self._steps, self._all_done = 0, False
+
+    def pending(self) -> bool:
+        """With `agree`: this process must keep ticking, the processes have not all finished the generation."""
+        return self.agree is not None and not self._all_done
+
+    def idle_tick(self, svc) -> SwitchDecision | None:
+        """One tick of this process (an engine step, or a pass of the rollout loop without work); every
+        `check_every` ticks the processes agree (`agree` set)."""
+        self._steps += 1
+        if self._steps % self.check_every:
+            return None
+        return self._agree(svc)
+
+    def _agree(self, svc) -> SwitchDecision | None:
+        """A check tick of several processes: each one's prediction, exchanged; one decision for all."""
+        tp, cands = self.uniform_tp(svc), self.controller.candidates
+        live = self.live(svc) if svc.has_work() else []
+        mine = None
+        if live:
+            if self.precompile is not None:
+                self._first_sight(svc, tp)
+            mine = self.controller.decide(tp, live, step=self._steps, warm=lambda t: self.warm(t, live),
+                                          classes=self.classes)
+            totals = [next(c.total_s for c in mine.candidates if c.tp == t) for t in cands]
+        payload = np.asarray([float(svc.has_work()), len(live), mine.current_s if mine else 0.0,
+                              *(totals if mine else [0.0] * len(cands))], np.float64)
+        every = np.stack(self.agree(payload))
+        if not every[:, 0].any():          # the generation is over on every process
+            self._all_done = True
+            self._close()
+            return None
+        if every[:, 1].sum() < self.min_batch:
+            return None
+        t_cur, cost = float(every[:, 2].max()), every[:, 3:].max(axis=0)
+        best, best_t = tp, np.inf
+        for t, c in zip(cands, cost):
+            if c < best_t:
+                best, best_t = t, float(c)
+        if not (best != tp and t_cur * (1.0 - self.controller.min_gain) > best_t):
+            best = tp
+        if mine is None:                   # nothing live here: the state to move is none
+            mine = SwitchDecision(self._steps, tp, 0, 0, 0.0, [], tp, "")
+        mine.tp = best
+        mine.kv = next((c.kv for c in mine.candidates if c.tp == best), "migrate") if best != tp else ""
+        mine.actual["agreed"] = {"processes": len(every), "current_s": t_cur,
+                                 "cost": {int(t): float(c) for t, c in zip(cands, cost)}}
+        return self._apply(svc, mine, live)
 
     def _close(self) -> None:
         now = time.perf_counter()

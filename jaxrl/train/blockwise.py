@@ -70,7 +70,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.rollout.executor import canonical
@@ -78,6 +77,7 @@ from kernels import attention
 from models import ModelConfig, decoder_stack
 
 from .batch import FIELDS
+from .distributed import allgather
 from .history_attention import Attn, history_attention, stored_history
 from .step import STATS, LossSpec, hidden_loss
 from .update import Updater, _abstract, _out_abstract
@@ -115,8 +115,8 @@ def blocks_with_loss(loss_mask, block: int) -> np.ndarray:
         for i in range(n):
             lo, hi = max(i * block - start, 0), max((i + 1) * block - start, 0)
             local[i] |= bool(m[:, lo:hi].any())
-    if jax.process_count() > 1:
-        local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, n).any(axis=0)
+    if jax.process_count() > 1:      # (the update's own stream of agreements: it may run on the train pool's thread)
+        local = allgather(local, tag="update").any(axis=0)
     return local
 
 

@@ -16,6 +16,7 @@ Lines that are not JSON (a half-written last line of a live or killed run) are s
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -145,3 +146,15 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{path.resolve()}: no metrics rows")
     title = f"{run_dir.resolve().name} — {len(rows)} step{'s' * (len(rows) != 1)}"
     return plot(rows, Path(out) if out is not None else run_dir / "curves.png", title)
+
+
+def draw_run_curves(run_dir: str | Path) -> None:
+    """`plot_run` at the end of a run, when it logged any step; a failure is a warning (a plot must never
+    hide the run's own outcome)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists() or not path.stat().st_size:
+        return
+    try:
+        plot_run(run_dir)
+    except Exception as e:
+        logging.getLogger("jaxrl.train").warning("could not draw %s: %s", (Path(run_dir) / "curves.png").resolve(), e)

@@ -3,18 +3,29 @@
 `initialize(section, local_cpu_devices)` starts `jax.distributed` when a coordinator and more than one
 process are configured (flags, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID).
 On a CPU host it also sets the number of fake local devices and the gloo collectives, which must
-happen before JAX creates its backend. Only scalars cross processes here (`global_sum`); batches are
-assembled as global arrays from process-local pieces, never gathered on process 0, and weights reach
-the rollout instances by an on-device reshard (`sharding.to_local_groups`).
+happen before JAX creates its backend. Only small host arrays cross processes here (`global_sum`,
+`allgather`: counts, lengths, rewards); batches are assembled as global arrays from process-local pieces,
+never gathered on process 0, and weights reach the rollout instances by an on-device reshard
+(`sharding.to_local_groups`).
+
+The host agreements travel through the coordination service's key-value store (`exchange`), not as XLA
+collectives: their values keep their dtype (float64 sums are exact), no shape compiles a gather, and they
+never interleave with the device collectives of a computation another thread runs (one-step-async trains
+on the train pool's thread while the next rollout's agreements run on the main thread). Each call site
+names its stream (`tag`): the calls of one stream happen in the same order on every process, which is
+what numbers their keys.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import os
+import threading
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax._src import distributed as jax_distributed
 
 from jaxrl.config.train import DistributedSection
 from jaxrl.runtime import request_cpu_devices
@@ -41,50 +52,66 @@ def initialize(d: DistributedSection, local_cpu_devices: int) -> None:
                                    initialization_timeout=d.initialization_timeout)
 
 
-def global_sum(x) -> np.ndarray:
-    """Sum of a small host array over all processes (identical result on every process), in float64.
+AGREE_TIMEOUT_S = 24 * 3600      # a process may wait a whole long-tail rollout for the others; a lost
+                                 # process is the heartbeat's to detect (`jaxrl.train.heartbeat`)
+_SEQ: dict[str, itertools.count] = {}
+_LOCK = threading.Lock()
 
-    Values cross processes as JAX arrays, float32 with x64 off: each is sent as two float32 parts, hi =
-    f32(x) and lo = f32(x − hi), so the sum keeps ~48 bits (a float64 sum of float64 sums, to ~1e-14
-    relative) instead of float32's 24 (the PPO advantages' whitening sums need it: N processes then
-    whiten as one does)."""
+
+def exchange(x, tag: str = "main") -> list[np.ndarray]:
+    """Every process's host array `x` (any shape and dtype, each process its own), in process order,
+    through the key-value store. `tag`: the stream of calls this one belongs to (module docstring)."""
+    x = np.asarray(x)
+    n, me = jax.process_count(), jax.process_index()
+    if n == 1:
+        return [x]
+    client = jax_distributed.global_state.client
+    with _LOCK:
+        k = next(_SEQ.setdefault(tag, itertools.count()))
+    buf = io.BytesIO()
+    np.save(buf, x, allow_pickle=False)
+    client.key_value_set_bytes(f"jaxrl/agree/{tag}/{k}/{me}", buf.getvalue())
+    out = [x if p == me else np.load(io.BytesIO(client.blocking_key_value_get_bytes(
+        f"jaxrl/agree/{tag}/{k}/{p}", AGREE_TIMEOUT_S * 1000))) for p in range(n)]
+    if k:            # every process has posted call k, so each has read call k - 1: its keys can go
+        client.key_value_delete(f"jaxrl/agree/{tag}/{k - 1}/{me}")
+    return out
+
+
+def global_sum(x, tag: str = "main") -> np.ndarray:
+    """Sum of a small host array over all processes (identical result on every process), in float64,
+    summed in process order."""
     x = np.asarray(x, np.float64)
     if jax.process_count() == 1:
         return x
-    hi = x.astype(np.float32)
-    lo = (x - hi.astype(np.float64)).astype(np.float32)
-    parts = np.asarray(multihost_utils.process_allgather(np.stack([hi, lo])), np.float64)
-    return parts.sum(axis=(0, 1))
+    parts = exchange(x, tag)
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
-def global_max(x: int) -> int:
+def global_max(x: int, tag: str = "main") -> int:
     if jax.process_count() == 1:
         return int(x)
-    return int(np.max(multihost_utils.process_allgather(np.asarray([x], np.int64))))
+    return int(max(int(v) for v in exchange(np.asarray(x, np.int64), tag)))
 
 
-def allgather(x) -> np.ndarray:
+def allgather(x, tag: str = "main") -> np.ndarray:
     """A small host array of every process, stacked on a new first axis (in process order); one process:
-    `x[None]`. Every process must call it with the same shape. Across processes the values travel as JAX
-    arrays: with x64 off (the default) int64/float64 come back as int32/float32."""
+    `x[None]`. Every process must call it with the same shape; dtypes are kept."""
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
-    return np.asarray(multihost_utils.process_allgather(x)).reshape(jax.process_count(), *x.shape)
+    return np.stack(exchange(x, tag))
 
 
-def gather_ragged(x) -> np.ndarray:
-    """The concatenation, in process order, of a 1-D host array whose length differs per process. The gather
-    runs at the longest length rounded up to a power of two, so a run's varying lengths (dynamic sampling,
-    tail batching) reuse a few compiled gathers instead of compiling one per new length."""
+def gather_ragged(x, tag: str = "main") -> np.ndarray:
+    """The concatenation, in process order, of a 1-D host array whose length differs per process."""
     x = np.asarray(x).ravel()
     if jax.process_count() == 1:
         return x
-    n = allgather(np.asarray([len(x)], np.int64))[:, 0]
-    padded = np.zeros(1 << max(0, int(n.max()) - 1).bit_length(), x.dtype)
-    padded[:len(x)] = x
-    every = allgather(padded)
-    return np.concatenate([every[p, :k] for p, k in enumerate(n)])
+    return np.concatenate(exchange(x, tag))
 
 
 def local_rows(x: jax.Array, sharding) -> np.ndarray:

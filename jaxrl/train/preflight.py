@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +224,17 @@ def preflight(cfg: TrainConfig, resume: str = "auto") -> ResumePlan:
     check_paths(cfg)
     check_tokenizer(cfg)
     return plan_resume(cfg, resume)
+
+
+def discard_unstarted(run_dir: Path, plan: ResumePlan) -> None:
+    """A run that failed before its first RL step: remove its checkpoint 0 and the config.yaml it wrote,
+    so the next run in this directory starts clean (with whatever config it has). Process 0 only."""
+    shutil.rmtree(run_dir / "checkpoints" / "0", ignore_errors=True)
+    try:
+        (run_dir / "checkpoints").rmdir()      # only when nothing else (e.g. *.corrupt) is there
+    except OSError:
+        pass
+    if plan.write_config == "config.yaml":
+        (run_dir / "config.yaml").unlink(missing_ok=True)
+    print(f"[train] the run failed before its first RL step; removed its checkpoint 0 and config.yaml from "
+          f"{run_dir.resolve()}, so the next run there starts fresh", file=sys.stderr, flush=True)

@@ -127,12 +127,22 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                 first_error.append(f"{res.status} in {name}: {res.error}")
 
     # with a race, also until it is decided: its poll gathers from every process, so a process whose own
-    # requests are done keeps polling with the others (and dynamic sampling waits for group rewards)
-    while svc.has_work() or (race is not None and not race.decided):
-        if not svc.has_work():
-            take(sched.poll(timeout=0.02))
-            tell_race()
-            race.poll()
+    # requests are done keeps polling with the others (and dynamic sampling waits for group rewards); with
+    # PAT over several processes, until every process has finished: its decisions are agreed at common ticks
+    pat = getattr(svc, "adaptive", None)       # (a stand-in service may have no PAT driver at all)
+    pat = pat if pat is not None and pat.agree is not None else None
+    if pat is not None:
+        pat.begin()
+    while svc.has_work() or (race is not None and not race.decided) or (pat is not None and pat.pending()):
+        if not svc.has_work():       # (in the order a working process runs them: the engine step's tick first)
+            if pat is not None and pat.pending():
+                pat.idle_tick(svc)
+            if race is not None and not race.decided:
+                take(sched.poll(timeout=0.02))
+                tell_race()
+                race.poll()
+            else:
+                take(sched.poll(timeout=0))
             continue
         engine_steps += 1
         for c in svc.step():

@@ -45,3 +45,15 @@ def tail_metrics(plan, rstats: dict, lens, *, trained: int) -> dict:
             "tail/aborted_tokens": int(aborted_tok), "tail/wasted_tokens": int(wasted),
             "tail/max_response_len": global_max(max(lens, default=0)), "tail/dropped_groups": int(dropped),
             "tail/waves": int(rstats.get("waves", 1)), "tail/batch_short": int(rstats.get("batch_short", 0))}
+
+
+def placement_metrics(svc, train_devices: int, gstream, staleness: int, wait: float) -> dict:
+    """placement/... (StreamRL disaggregated): the pools' sizes, the staleness of the trained samples, the
+    wait for the train pool, and the groups and micro-batches streamed before the rollout ended."""
+    out = {"placement/gen_devices": sum(svc.layout), "placement/train_devices": train_devices,
+           "placement/gen_instances": len(svc.instances), "placement/staleness": staleness,
+           "placement/train_wait_s": wait}
+    if gstream is not None:
+        out.update({"placement/groups_streamed": gstream.groups_early, "placement/groups": gstream.groups,
+                    "placement/micro_batches_streamed": gstream.micro_batches_early})
+    return out

@@ -1,9 +1,9 @@
-"""The update stage of an RL step (the trainer's state in, new params and opt_state out), over the
-trainer `tr`'s mesh, updater and micro-batch shape:
+"""The update stage of an RL step (the policy's state in, new params and opt_state out), over an
+`UpdateContext` `uc`'s mesh, update and micro-batch shape (`jaxrl.train.context`):
 
-    mbs, caches = prepare(tr, samples, kvs)    # host: pack, agree on counts across processes
-    m = run(tr, mbs, caches)                   # devices: [reference / old log-probs], mini_batches updates
-    m = fused(tr, batch)                       # trainer.micro_batch_tokens=null: one bucketed fused step
+    mbs, caches = prepare(uc, samples, kvs)    # host: pack, agree on counts across processes
+    m = run(uc, mbs, caches)                   # devices: [reference / old log-probs], mini_batches updates
+    m = fused(uc, batch)                       # trainer.micro_batch_tokens=null: one bucketed fused step
 
 The graph's reference node (`jaxrl.flow.nodes.reference`) fills `ref_logp` in the packed batch where it
 runs on this thread; `run` and `fused` compute whatever log-probs are still missing.
@@ -19,56 +19,59 @@ import jax
 from jaxrl.config.train import check_rollout_kv_processes
 
 from . import rl
+from .context import UpdateContext
 
 
-def prepare(tr, samples, kvs=None):
+def prepare(uc: UpdateContext, samples, kvs=None):
     """The host half of the update (packing; agrees on counts across processes): (micro-batches, caches).
     One-step-async packs the rollout's log-probs as the behaviour policy (`old_logp`)."""
-    cfg, mini = tr.cfg, tr.cfg.algo.mini_batches
-    mbs, rows = rl.micro_batches(samples, cfg, tr.mesh, tr.pack_len, cfg.rollout.max_new_tokens, tr.mb_rows,
+    cfg, mini = uc.cfg, uc.cfg.algo.mini_batches
+    mbs, rows = rl.micro_batches(samples, cfg, uc.mesh, uc.pack_len, cfg.rollout.max_new_tokens, uc.mb_rows,
                                  mini, with_rows=True, behaviour=bool(cfg.trainer.async_steps))
     caches = None
     if kvs is not None:          # the rollout's K/V, packed like each micro-batch (on the train mesh)
         check_rollout_kv_processes(cfg.trainer, jax.process_count())     # (a count from the environment)
-        offsets = tr.stager.stage(kvs)          # this process's sequences; `rows` is its own packing
+        offsets = uc.stager.stage(kvs)          # this process's sequences; `rows` is its own packing
         cached, lengths = [kv.length for kv in kvs], [len(s.prompt) + len(s.response) for s in samples]
-        row_len = tr.updater.padded_len(tr.pack_len)
-        local = tr.mb_rows // jax.process_count()       # its rows of each micro-batch (as rl.micro_batches)
-        caches = [tr.stager.packed(tr.stager.index(rows, offsets, cached, lengths, j * local, local, row_len))
+        row_len = uc.updater.padded_len(uc.pack_len)
+        local = uc.mb_rows // jax.process_count()       # its rows of each micro-batch (as rl.micro_batches)
+        caches = [uc.stager.packed(uc.stager.index(rows, offsets, cached, lengths, j * local, local, row_len))
                   for j in range(len(mbs))]
     return mbs, caches
 
 
-def run(tr, mbs, caches) -> dict:
+def run(uc: UpdateContext, mbs, caches) -> dict:
     """The device half of the update: log-prob passes and the updates; returns the metrics on the devices."""
-    mini = tr.cfg.algo.mini_batches
+    mini = uc.cfg.algo.mini_batches
     for mb in mbs:
-        if tr.spec.kl_coef and "ref_logp" not in mb:
-            mb["ref_logp"] = tr.updater.logprobs(tr.ref_params, mb)
+        if uc.spec.kl_coef and "ref_logp" not in mb:
+            mb["ref_logp"] = uc.updater.logprobs(uc.policy.ref_params, mb)
         if mini > 1 and "old_logp" not in mb:
-            mb["old_logp"] = tr.updater.logprobs(tr.params, mb)
+            mb["old_logp"] = uc.updater.logprobs(uc.policy.params, mb)
     per = len(mbs) // mini
-    tr.updater.reset_counts()
+    uc.updater.reset_counts()
     for k in range(mini):
         part = slice(k * per, (k + 1) * per)
         kw = {"kv": caches[part]} if caches is not None else {}
-        tr.params, tr.opt_state, m = tr.updater.update(tr.params, tr.opt_state, mbs[part], **kw)
-    m.update(tr.updater.counts())        # the update says that it ran (blockwise/... metrics)
+        pol = uc.policy
+        pol.params, pol.opt_state, m = uc.updater.update(pol.params, pol.opt_state, mbs[part], **kw)
+    m.update(uc.updater.counts())        # the update says that it ran (blockwise/... metrics)
     return m
 
 
-def fused(tr, batch) -> dict:
+def fused(uc: UpdateContext, batch) -> dict:
     """trainer.micro_batch_tokens=null: one bucketed batch (`rl.global_batch`), one fused step per mini-batch."""
-    cfg = tr.cfg
-    if tr.spec.kl_coef and "ref_logp" not in batch:
-        batch["ref_logp"] = tr.logprob_fn(tr.ref_params, batch)
+    cfg = uc.cfg
+    if uc.spec.kl_coef and "ref_logp" not in batch:
+        batch["ref_logp"] = uc.fused.logprobs(uc.policy.ref_params, batch)
     mb = cfg.algo.mini_batches
     if mb > 1:
-        batch["old_logp"] = tr.logprob_fn(tr.params, batch)
+        batch["old_logp"] = uc.fused.logprobs(uc.policy.params, batch)
     else:   # on-policy, one update: old log-probs are the current ones (ratio 1, exact)
         batch["old_logp"] = None
     rows_per = batch["tokens"].shape[0] // mb
     for k in range(mb):
         part = {n: v[k * rows_per:(k + 1) * rows_per] for n, v in batch.items() if v is not None}
-        tr.params, tr.opt_state, m = tr.train_step(tr.params, tr.opt_state, part, 1.0)
+        pol = uc.policy
+        pol.params, pol.opt_state, m = uc.fused.step(pol.params, pol.opt_state, part, 1.0)
     return jax.device_get(m)

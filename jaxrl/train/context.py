@@ -1,0 +1,85 @@
+"""The update side of a run, as typed components (ARCHITECTURE.md, "Components"): what the update stage,
+the warm-up and the checkpoints read, built once from the config.
+
+    Policy          the policy's train state: params, opt_state, ref_params (kl_coef > 0). One object
+                    shared by the trainer, the graph's nodes and the train pool's thread, each of which
+                    replaces its fields (the update donates the old arrays)
+    UpdateContext   the train mesh and its shardings, the loss, the fixed micro-batch shape and the update
+                    that runs over it: `Updater` (fixed micro-batches), `BlockwiseUpdater` (MetroRLHF,
+                    with a `KVStager` when it reads the rollout's K/V) or `FusedStep` (no micro-batches:
+                    one bucketed batch). Every field exists in every run; the ones a config does not use
+                    are None, and the update stage branches on `fused`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jax.sharding import Mesh
+
+from jaxrl.config.train import TrainConfig
+from models import ModelConfig
+
+from . import rl
+from .blockwise import BlockwiseUpdater
+from .rollout_kv import KVStager, kv_capacity
+from .step import LossSpec, make_logprob_fn, make_train_step
+from .update import Updater
+
+
+@dataclasses.dataclass
+class Policy:
+    params: Any
+    opt_state: Any
+    ref_params: Any = None
+
+    def state(self) -> dict:
+        """What a checkpoint saves of it."""
+        state = {"params": self.params, "opt_state": self.opt_state}
+        if self.ref_params is not None:
+            state["ref_params"] = self.ref_params
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedStep:
+    """trainer.micro_batch_tokens=null: one fused train step over the bucketed batch (`lax.scan` over
+    `algo.micro_batches`) and its log-prob pass."""
+
+    step: Callable
+    logprobs: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateContext:
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    mesh: Mesh
+    shardings: Any
+    spec: LossSpec
+    pack_len: int                  # tokens per packed row
+    mb_rows: int | None            # rows per fixed micro-batch (None: the fused step's bucketed batch)
+    updater: Updater | BlockwiseUpdater | None
+    fused: FusedStep | None
+    stager: KVStager | None        # MetroRLHF kv_source=rollout: the rollout's K/V on the train mesh
+    policy: Policy
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shardings, policy: Policy, tx,
+              dtype) -> "UpdateContext":
+        a, t = cfg.algo, cfg.trainer
+        spec = LossSpec.from_config(a, temperature=cfg.rollout.temperature or 1.0, trainer=t)
+        pack_len = cfg.pack_len or -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // 32) * 32
+        updater = fused = stager = mb_rows = None
+        if t.micro_batch_tokens and t.backward == "blockwise":      # MetroRLHF: blocks over cached K/V
+            updater = BlockwiseUpdater(model_cfg, spec, tx, block_size=t.block_size, kv_source=t.kv_source)
+            if rl.uses_rollout_kv(cfg):
+                stager = KVStager(model_cfg, mesh, kv_capacity(cfg), dtype)
+        elif t.micro_batch_tokens:      # fixed-shape micro-batches: one compiled gradient step
+            updater = Updater(model_cfg, spec, tx)
+        else:
+            fused = FusedStep(make_train_step(model_cfg, spec, tx, a.micro_batches), make_logprob_fn(model_cfg, spec))
+        if updater is not None:
+            mb_rows = rl.micro_batch_rows(cfg, mesh, pack_len)
+        return cls(cfg, model_cfg, mesh, shardings, spec, pack_len, mb_rows, updater, fused, stager, policy)

@@ -1,0 +1,274 @@
+"""The rollout side of a run: the generation instances and the mechanisms that decide what they run and on
+which layout, as one component (ARCHITECTURE.md, "Components").
+
+    rs = RolloutSide.build(cfg, tokenizer, dataset, model_cfg, policy, devices, stream=..., gstream=...)
+    got = rs.take(step)             # the step's rollout with its rewards (one-step-async: the prefetched one)
+    rs.sync(params)                 # the new weights into the instances, on the layout the next rollout uses
+
+What it owns, each built from its config section:
+  * the prompts: the data loader and RollPacker's tail batching (`TailBatcher`: a short round's
+    speculative draw and race, dynamic sampling's waves, a long round from the long-prompt queue);
+  * the rollout service (`RolloutService`: the instances, PAT's switch driver `svc.adaptive`);
+  * StreamRL's skew placement (`SkewStep`: the length ranker, long-tail instances, LPT order);
+  * RollPacker's TP planner (the layout of the next round type, from this round's preemptions).
+The gradient streams (RollPacker's stream trainer, StreamRL's pipelining on the train pool) are fed from
+here as groups are scored: each rollout begins them once (dynamic sampling's waves all join one stream).
+
+The rollout side's decisions are taken at the rollout's own end (its metrics too), so one-step-async, whose
+next rollout starts before the weight sync, runs every one of them a step ahead: the round plan is saved
+with the prefetched rollout and the layout the next rollout starts on is set right there (`relayout`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxrl.config.train import TrainConfig
+from jaxrl.data import DataLoader, PromptDataset, encode_prompts
+from jaxrl.data.tasks import DEFAULT_TASKS
+from jaxrl.rewards import RewardScheduler
+from jaxrl.rollout import RolloutService, SamplingParams
+from jaxrl.rollout.memory import DEFAULT_MEMORY_FRACTION, device_memory, holds_request
+from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layout, total_preemptions
+from jaxrl.rollout.tail_batching import TailBatcher
+
+from . import rl
+from .batch import Sample
+from .context import Policy
+from .distributed import allgather, exchange, global_sum
+from .grad_stream import GradientStream
+from .pipeline import Prefetched
+from .rounds import tail_round
+from .skew_step import SkewStep
+from .stream import StreamTrainer, kept_instances
+
+log = logging.getLogger("jaxrl.train")
+
+
+def load_prompts(cfg: TrainConfig, tokenizer) -> PromptDataset:
+    """`data`'s prompts (built-in tasks or a file), those longer than data.max_prompt_len skipped (warned)."""
+    d = cfg.data
+    if d.source == "builtin":
+        ds = PromptDataset.builtin(list(d.tasks) or list(DEFAULT_TASKS), d.num_examples, cfg.seed)
+    else:
+        ds = PromptDataset.from_file(d.source, prompt_key=d.prompt_key, answer_key=d.answer_key)
+    lens = [len(p) for p in encode_prompts(ds, tokenizer, d.chat)]
+    keep = [row for row, n in zip(ds, lens) if n <= d.max_prompt_len]
+    if len(keep) < len(ds):
+        log.warning("skipped %d of %d prompts longer than data.max_prompt_len=%d tokens (longest %d)",
+                    len(ds) - len(keep), len(ds), d.max_prompt_len, max(lens))
+        if not keep:
+            raise SystemExit(f"no prompt fits data.max_prompt_len={d.max_prompt_len}")
+        ds = PromptDataset(keep, source=ds.source, skipped=ds.skipped)
+    n_proc = jax.process_count()
+    if cfg.algo.prompts_per_step % n_proc:
+        raise SystemExit(f"algo.prompts_per_step={cfg.algo.prompts_per_step} must divide over {n_proc} processes")
+    return ds
+
+
+class RolloutSide:
+    def __init__(self, cfg: TrainConfig, tokenizer, dataset: PromptDataset, svc: RolloutService, policy: Policy,
+                 rewards: RewardScheduler, reward_guard: rl.RewardFailureGuard, *, stream: StreamTrainer | None,
+                 gstream: GradientStream | None, run_dir: Path):
+        self.cfg, self.tokenizer, self.dataset, self.svc, self.policy = cfg, tokenizer, dataset, svc, policy
+        self.rewards, self.reward_guard, self.stream, self.gstream = rewards, reward_guard, stream, gstream
+        self.run_dir, self.is_main = run_dir, jax.process_index() == 0
+        self.engine_version = 0         # the step whose weights the generation instances hold
+        self.prefetched: Prefetched | None = None      # one-step-async: the next step's rollout, already made
+        n_proc, per_step, tb = jax.process_count(), cfg.algo.prompts_per_step // jax.process_count(), \
+            cfg.rollout.tail_batching
+        self.tail = None
+        if tb.enabled:     # RollPacker: short rounds draw eta_prompts x more rows; long rounds draw none
+            self.tail = TailBatcher(cfg.algo.prompts_per_step, cfg.algo.group_size, tb.eta_prompts, tb.eta_responses,
+                                    process_index=jax.process_index(), process_count=n_proc, gather=allgather)
+            per_step = self.tail.launch
+        self.loader = DataLoader(dataset, per_step, process_index=jax.process_index(), process_count=n_proc,
+                                 shuffle=cfg.data.shuffle, seed=cfg.seed)
+        sk, e = cfg.rollout.skew, cfg.engine
+        self.skew = None
+        if sk.enabled:           # StreamRL: length ranker -> long-tail prompts on dedicated instances, LPT inside
+            self.skew = SkewStep(sk, max_prompt_len=cfg.data.max_prompt_len, group_size=cfg.algo.group_size,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, tp=e.tp)
+        if svc.adaptive is not None and n_proc > 1:      # PAT: one decision for all processes, at common ticks
+            svc.adaptive.agree = functools.partial(exchange, tag="pat")
+        self.planner = TPPlanner.from_config(e.planner, e.num_devices, cfg.model.model_config(), e.tp,  # RollPacker
+                                             fits=self.layout_fits)
+
+    def layout_fits(self, tp: int) -> bool:
+        """Whether a TP-`tp` rollout instance's memory budget holds one max_seq_len request (the planner)."""
+        e, devices = self.cfg.engine, self.svc.devices[:tp]
+        budget = e.kv_bytes_per_device
+        if budget is None:
+            total = device_memory(devices)
+            if total is None:
+                return True
+            budget = int(total * (e.kv_memory_fraction or DEFAULT_MEMORY_FRACTION))
+        dtype = jax.tree.leaves(self.policy.params)[0].dtype
+        return holds_request(self.svc.cfg, devices, page_size=e.page_size, budget=budget, dtype=dtype,
+                             max_seq_len=e.max_seq_len)
+
+    # ------------------------------------------------------------------------------------- rollout
+    def take(self, step: int, score: bool = True) -> Prefetched:
+        """Step `step`'s rollout: one-step-async's prefetched one when there is one, else collected now."""
+        got = self.prefetched if self.prefetched is not None else self.collect(step, score=score)
+        self.prefetched = None
+        return got
+
+    def collect(self, step: int, score: bool = True) -> Prefetched:
+        """Step `step`'s rollout with its rewards (tail batching: a short round's race, dynamic sampling's
+        waves, or a long round from the queue), on the weights the generation instances hold now.
+        `score=False`: no rewards here (the graph's reward node scores the batch afterwards)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        preempted = total_preemptions(self.svc)
+        on_group = self.begin_streams()
+        drop_equal = self.tail is not None and cfg.rollout.tail_batching.dynamic_sampling
+
+        def rollout(rows, race=None, responses=None):      # one round, or one of dynamic sampling's waves
+            prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
+            hooks = {}
+            if on_group is not None:     # each scored group, with its advantages, to the gradient stream
+                def group(p, comps, rewards):
+                    if drop_equal and np.all(rewards == rewards[0]):
+                        return           # dynamic sampling drops it after the round (a long round's filter)
+                    adv = rl.advantages(cfg, rewards, [len(c.tokens) for c in comps])
+                    on_group([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
+                hooks["on_group"] = group
+            if self.stream:              # milestone checks after each engine step (may free half the devices)
+                hooks["on_step"] = lambda finished, total: self.stream.on_progress(self.svc, finished, total,
+                                                                                   self.instance_classes())
+            if self.skew:                # (the long-tail instances: among those the stream trainer never frees)
+                hooks["route"] = lambda ps: self.skew.place(
+                    self.svc, ps, max_long=kept_instances(self.svc) if self.stream else None)
+            return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
+                                        self.tokenizer.eos_ids, race=race, responses=responses, score=score,
+                                        **hooks)
+
+        plan = None
+        if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
+            tb = cfg.rollout.tail_batching
+            got = tail_round(self.tail, lambda: next(self.loader), self.dataset, step, rollout,
+                             dynamic_sampling=tb.dynamic_sampling, max_waves=tb.max_waves, gather=allgather)
+            plan, rows, comps, rewards, rstats = got.plan, got.rows, got.completions, got.rewards, got.stats
+        else:
+            rows = next(self.loader)
+            comps, rewards, rstats = rollout(rows)
+        preempted = int(global_sum(total_preemptions(self.svc) - preempted))
+        mech = self._mechanism_metrics(step, plan, preempted)
+        if cfg.trainer.async_steps and (self.planner or self.svc.adaptive is not None):
+            self.relayout()       # the next rollout starts before the sync: its layout is set here, at this one's end
+        if score:
+            self.reward_guard.update(rstats)     # raises after rewards.max_failed_steps all-failed steps
+        t2 = time.perf_counter()
+        t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
+        rstats.update(rollout_s=t1 - t0, reward_s=t2 - t1, preempted=preempted, mechanisms=mech)
+        return Prefetched(step, self.engine_version, list(rows), comps, rewards, rstats, plan)
+
+    def _mechanism_metrics(self, step: int, plan, preempted: int) -> dict:
+        """The rollout side's own metrics, taken at the rollout's end (one-step-async: step `step`'s rollout
+        runs during the previous step's update, so the step that logs it must not read them later)."""
+        mech = {}
+        if self.planner:         # this round type's next TP, from this step's preemptions (applied at the sync)
+            self.planner.decide(plan.kind if plan else "sync", preempted)
+            mech.update(self.planner.metrics())
+        if self.svc.adaptive is not None:        # PAT: this rollout's switch decisions (records: pat_decisions.jsonl)
+            mech.update(self.svc.adaptive.step_metrics(step, self.run_dir / (
+                "pat_decisions.jsonl" if self.is_main else f"pat_decisions.process{jax.process_index()}.jsonl")))
+        if self.tail:
+            mech["tail/queue_len"] = len(self.tail.queue)
+        return mech
+
+    def instance_classes(self) -> dict[int, str] | None:
+        """StreamRL's skew placement of the running layout: instance -> "long" / "regular" (None: none)."""
+        return self.skew.instance_classes(self.svc) if self.skew else None
+
+    def begin_streams(self):
+        """Start the step's gradient stream, once per step (dynamic sampling's waves add to it): RollPacker's
+        stream trainer, or StreamRL's dynamic-batch pipelining on the train pool, both at this step's
+        weights. Returns where scored groups go (None: nothing streams)."""
+        p = self.policy
+        if self.stream:
+            self.stream.begin(p.params, p.ref_params)
+            return self.stream.add_group
+        if self.gstream:
+            self.gstream.begin(p.ref_params)
+            self.gstream.target(p.params, p.ref_params, self.gstream.train_rows)
+            return self.gstream.add
+        return None
+
+    def observe(self, step: int, prompts, lens) -> dict:
+        """After the step: the length ranker learns its (prompt, response length) pairs; skew/... metrics."""
+        if not self.skew:
+            return {}
+        G = self.cfg.algo.group_size
+        self.skew.observe(prompts, [lens[k * G:(k + 1) * G] for k in range(len(prompts))],
+                          log=self.run_dir / "length_pairs.jsonl" if self.is_main else None)
+        return self.skew.finish(step)
+
+    # --------------------------------------------------------------------------------- weights, layout
+    def sync(self, params, version: int):
+        """The new weights (of step `version`) into the rollout instances, on the layout the next rollout
+        starts on (`relayout`: one reshard; a layout seen for the first time compiles its step set here)."""
+        if self.planner or self.svc.adaptive is not None:
+            self.relayout(params)
+        else:
+            self.svc.update_weights(params)
+        self.engine_version = version
+
+    def relayout(self, weights=None):
+        """The generation layout the next rollout starts on: the planner's for the next round type, else the
+        configured one (PAT may have switched mid-rollout), syncing `weights` on the way when given."""
+        e = self.cfg.engine
+        layout = self.planner.layout_for(self.tail.next_kind() if self.tail else "sync") if self.planner \
+            else RolloutLayout(e.tp, e.instances)
+        warm = self.sampling_params() if self.planner and self.cfg.trainer.warmup else None
+        if self.svc.adaptive is not None:
+            self.svc.adaptive.home(self.svc, layout, weights, warm=warm)
+        else:
+            apply_layout(self.svc, layout, weights, warm=warm)
+
+    def sampling_params(self) -> list:
+        """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
+        return [SamplingParams.from_config(self.cfg.rollout, n=self.cfg.algo.group_size,
+                                           stop_token_ids=self.tokenizer.eos_ids,
+                                           return_kv=rl.uses_rollout_kv(self.cfg))]
+
+    # ------------------------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """The checkpoint meta of the rollout side: the loader's position, the long-prompt queue (global, the
+        same on every process), the planner's, the length ranker and one-step-async's next rollout."""
+        meta = {"loader": self.loader.state_dict()}
+        if self.tail:
+            meta["tail"] = self.tail.state_dict()
+        if self.planner:
+            meta["planner"] = self.planner.state_dict()
+        if self.skew:
+            meta["skew"] = self.skew.state_dict()
+        if self.prefetched is not None:
+            meta["prefetched"] = self.prefetched.state_dict()
+        return meta
+
+    def load_state_dict(self, meta: dict) -> None:
+        self.loader.load_state_dict(meta["loader"])
+        if self.tail:
+            self.tail.load_state_dict(meta.get("tail", {"queue": [], "rounds": {"short": 0, "long": 0}}))
+        if self.planner and "planner" in meta:
+            self.planner.load_state_dict(meta["planner"])
+        if self.skew and "skew" in meta:
+            self.skew.load_state_dict(meta["skew"])
+        if "prefetched" in meta:
+            self.prefetched = Prefetched.from_state(meta["prefetched"])
+
+    def warm_start_ranker(self) -> None:
+        """StreamRL's length ranker from rollout.skew.ranker.pairs (a fresh run); a bad row raises ValueError
+        naming the file and line."""
+        pairs = self.cfg.rollout.skew.ranker.pairs
+        if self.skew and pairs:
+            n = self.skew.load_pairs(pairs, self.tokenizer)
+            log.info("length ranker: %d warm-start pairs from %s", n, pairs)

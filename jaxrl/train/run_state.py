@@ -1,0 +1,65 @@
+"""What a checkpoint of an RL run holds, and putting it back: each component's own state.
+
+    save(ckpt, step, cfg, policy, critic, rollout, rewards)
+    step = restore(ckpt, cfg, policy, critic, rollout, rewards)     # None: nothing usable, start fresh
+
+Arrays (the checkpoint's state): the policy's params and opt_state, the reference weights when kl_coef
+is set, PPO's critic. Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
+the loader's position, the long-prompt queue, the planner, the length ranker, one-step-async's next
+rollout) and the reward scheduler's adaptive timeouts.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxrl.config import to_yaml
+from jaxrl.config.train import TrainConfig
+from jaxrl.rewards import RewardScheduler
+
+from .checkpoint import CheckpointManager
+from .context import Policy
+from .critic import Critic
+from .rollout_side import RolloutSide
+
+
+def arrays(policy: Policy, critic: Critic | None) -> dict:
+    state = policy.state()
+    if critic is not None and critic.params is not None:
+        state["critic"] = critic.state()
+    return state
+
+
+def save(ckpt: CheckpointManager, step: int, cfg: TrainConfig, policy: Policy, critic: Critic | None,
+         rollout: RolloutSide, rewards: RewardScheduler) -> None:
+    meta = {"step": step, "config": to_yaml(cfg), **rollout.state_dict(),
+            "reward_scheduler": rewards.state_dict()}       # the adaptive timeouts' anchors
+    ckpt.save(step, arrays(policy, critic), meta)
+
+
+def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: Critic | None,
+            rollout: RolloutSide, rewards: RewardScheduler) -> int | None:
+    """The latest usable checkpoint into the components; its step (None: none, or none usable)."""
+    if ckpt.latest_step() is None:
+        return None
+    if cfg.algo.kl_coef:              # shapes and shardings of the restore target
+        policy.ref_params = policy.params
+    if critic is not None:
+        critic.init(policy.params)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          arrays(policy, critic))
+    got = ckpt.restore(target=target)
+    if got is None:          # every checkpoint was unusable (moved aside, logged): start fresh
+        policy.ref_params = None
+        if critic is not None:
+            critic.params = critic.opt_state = None
+        return None
+    step, state, meta = got
+    policy.params, policy.opt_state = state["params"], state["opt_state"]
+    policy.ref_params = state.get("ref_params")
+    if critic is not None:
+        critic.load(state["critic"])
+    rollout.load_state_dict(meta)
+    if "reward_scheduler" in meta:
+        rewards.load_state_dict(meta["reward_scheduler"])
+    return int(meta["step"])

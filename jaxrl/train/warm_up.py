@@ -1,0 +1,67 @@
+"""The warm-up before the first RL step: every executable the steps will run, compiled, so the RL steps
+compile nothing (a step that compiles after warm-up is logged by name and counted in `compiles`).
+
+    n = warm_up(update, rollout, critic=..., balance=...)
+
+What it compiles: the rollout instances' bounded step shapes (and PAT's other layouts when
+engine.adaptive_tp.warm), the update over its fixed micro-batch shape (grad, apply, log-probs; the
+rollout K/V path's staging and packed gather), the critic's value pass and update, the stream trainer's
+executables on the devices it frees, the gradient stream's final sum, every spare instance of a scale-up,
+the length ranker's step, and the weight sync.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .balance import ScaleUp
+from .batch import FIELDS, INT_FIELDS
+from .context import UpdateContext
+from .critic import Critic
+from .grad_stream import warm_sum
+from .rollout_side import RolloutSide
+
+
+def micro_batch_abstract(uc: UpdateContext) -> dict:
+    """The fixed micro-batch's fields as abstract arrays on the train mesh (what the update sees)."""
+    cfg = uc.cfg
+    sharding = NamedSharding(uc.mesh, P(("dp", "fsdp"), None))
+    keys = list(FIELDS) + ["ref_logp"] * bool(uc.spec.kl_coef) + ["old_logp"] * (
+        cfg.algo.mini_batches > 1 or cfg.trainer.async_steps > 0)
+    return {k: jax.ShapeDtypeStruct((uc.mb_rows, uc.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
+                                    sharding=sharding) for k in keys}
+
+
+def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balance: ScaleUp | None) -> int:
+    """Compile everything the RL steps run; returns how many rollout/update executables were compiled."""
+    svc, pol, cfg, sampling = rs.svc, uc.policy, uc.cfg, rs.sampling_params()
+    n = svc.warm(sampling)
+    if svc.adaptive is not None and cfg.engine.adaptive_tp.warm:   # PAT: a switch compiles nothing
+        n += svc.adaptive.warm_layouts(svc, sampling)
+    if uc.updater is not None:
+        mb, extra = micro_batch_abstract(uc), {}
+        if uc.stager:          # the rollout K/V path: staging writes, the packed gather, the block step on it
+            row_len = uc.updater.padded_len(uc.pack_len)
+            ps = cfg.engine.page_size
+            max_pages = -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // ps)
+            uc.stager.warm(ps, max_pages, uc.mb_rows, row_len)
+            extra["kv"] = uc.stager.abstract(uc.mb_rows, row_len)
+        n += uc.updater.warm(pol.params, pol.opt_state, mb,
+                             logp_params=[pol.ref_params] if pol.ref_params is not None else [], **extra)
+        if critic is not None:      # PPO: the value pass and the critic's update
+            n += critic.warm(mb)
+        if rs.stream:        # the freed devices' gradient / reference executables
+            n += rs.stream.warm(pol.params, pol.opt_state, pol.ref_params, svc=svc)
+        if rs.gstream:       # the final sum's add program (plain jitted: counted by the compile counter)
+            warm_sum(rs.gstream, pol.params)
+    if balance:              # every spare instance's step set, so a scale-up compiles nothing
+        k = len(svc.instances)
+        svc.relayout(cfg.engine.tp, cfg.stage_balance.max_instances, weights=pol.params)
+        n += svc.warm(sampling)
+        svc.relayout(cfg.engine.tp, k, weights=pol.params)
+    if rs.skew:              # the length ranker's train step and forward
+        rs.skew.ranker.warm()
+    svc.update_weights(pol.params)
+    return n
