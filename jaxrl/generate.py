@@ -25,7 +25,8 @@ from jaxrl.config import CONFIGS_DIR, GenerateConfig, parse_cli
 from jaxrl.rollout.params import SamplingParams, prompt_seed
 from jaxrl.rollout.service import RolloutService
 from jaxrl.runtime import request_cpu_devices
-from models import init, load_hf, load_tokenizer
+from models import load_tokenizer
+from models.peft_io import load_weights
 
 
 def read_prompts(path: str, tokenizer, chat: bool, max_len: int | None = None) -> list[tuple[dict, list[int]]]:
@@ -79,10 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = cfg.model.model_config()
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise SystemExit(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens, the model only {model_cfg.vocab_size}")
-    if cfg.model.hf_path:
-        _, weights = load_hf(cfg.model.hf_path, dtype=cfg.model.jnp_dtype())
-    else:
-        weights = init(jax.random.key(0), model_cfg, cfg.model.jnp_dtype())
+    weights = load_weights(model_cfg, key=jax.random.key(0), dtype=cfg.model.jnp_dtype(), hf_path=cfg.model.hf_path,
+                           adapter=cfg.model.lora.adapter)      # (a PEFT adapter on the base: model.lora.adapter=DIR)
     svc = RolloutService.from_config(e, model_cfg, weights)
     order = []                                    # (prompt index, sample) of each request id, in input order
     owner = {}

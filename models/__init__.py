@@ -7,12 +7,13 @@
 """
 
 from .config import PRESETS, ModelConfig, RopeScaling, preset
-from .weights import (KV_CACHE_AXES, LOGICAL_AXES, ArraySpec, Layers, Weights, abstract, fit_vocab, init, is_spec,
-                      kv_cache_spec, logical_axes, padded_vocab, vocab_rows, weight_specs)
+from .weights import (KV_CACHE_AXES, LOGICAL_AXES, ArraySpec, Layers, Weights, abstract, attach_lora, fit_vocab, init,
+                      is_spec, kv_cache_spec, logical_axes, padded_vocab, vocab_rows, weight_specs)
 
 __all__ = [
     "PRESETS", "ModelConfig", "RopeScaling", "preset",
-    "KV_CACHE_AXES", "LOGICAL_AXES", "kv_cache_spec", "ArraySpec", "Layers", "Weights", "abstract", "init", "is_spec", "logical_axes", "weight_specs",
+    "KV_CACHE_AXES", "LOGICAL_AXES", "kv_cache_spec", "ArraySpec", "Layers", "Weights", "abstract", "attach_lora", "init", "is_spec", "logical_axes",
+    "weight_specs",
     "fit_vocab", "padded_vocab", "vocab_rows",
 ]
 

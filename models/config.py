@@ -40,6 +40,49 @@ class RopeScaling:
             raise ValueError(f"bad llama3 rope scaling {self}: need factor > 0 and high_freq_factor > low_freq_factor > 0")
 
 
+# LoRA targets by their PEFT / HF module names -> our `Layers` field names.
+LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
+                "up_proj": "w_up", "down_proj": "w_down"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the projections (Hu et al. 2021): W x -> W x + (alpha / rank) B(A x), W frozen.
+
+    `targets` are PEFT's module names (`LORA_TARGETS`; default all seven projections, PEFT's "all-linear" for
+    these models). `dropout` on the adapter input is 0 for RL (the rollout and the update must compute the same
+    policy); a non-zero value is refused rather than applied to one side only.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = tuple(LORA_TARGETS)
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"lora.rank={self.rank!r} must be a positive int")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha!r} must be > 0")
+        if self.dropout != 0:
+            raise ValueError(f"lora.dropout={self.dropout!r}: only 0 is supported (an RL update must score tokens "
+                             "with the policy that sampled them; adapter dropout would make the two differ)")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets={list(self.targets)}: a non-empty list of distinct names from "
+                             f"{', '.join(LORA_TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The targeted `Layers` fields (wq, ...)."""
+        return tuple(LORA_TARGETS[t] for t in self.targets)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -58,6 +101,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None     # attention window W (all layers); None: full causal attention
+    lora: LoraConfig | None = None        # low-rank adapters (models.lora); None: full-parameter weights
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -76,6 +120,8 @@ class ModelConfig:
             raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive int or None")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora={self.lora!r} must be a LoraConfig or None")
 
     @property
     def q_per_kv(self) -> int:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from . import lora
 from . import safetensors_io as st
 from .config import ARCHITECTURES, ModelConfig, RopeScaling
 from .tokenizer import save_tokenizer
@@ -300,9 +301,14 @@ def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, d
 
     Tensors are gathered to host one layer at a time. In a multi-process run every process gathers
     and only process 0 writes. Weights with a padded vocabulary (`models.padded_vocab`) are accepted;
-    only the first `cfg.vocab_size` rows of `embed` / columns of `lm_head` are written.
+    only the first `cfg.vocab_size` rows of `embed` / columns of `lm_head` are written. Weights with LoRA
+    adapters are written merged (W + s·A B: `models.lora.merge`); `models.peft_io.save_peft` writes the
+    adapters alone.
     """
     out = Path(out_dir)
+    if lora.has_adapters(weights):          # LoRA: the merged weights W + s·A B, a plain checkpoint
+        weights = lora.merge(weights)
+    cfg = dataclasses.replace(cfg, lora=None)
     dtype = jnp.dtype(dtype or jax.tree.leaves(weights)[0].dtype)
     write = jax.process_index() == 0
     specs, maps = weight_specs(cfg, dtype), tensor_map(cfg)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import RopeScaling
+from .lora import LoraLinear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -65,7 +66,11 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     gradient's operand transposed, through a slow strided loop fusion: at the 58M shape (2624 tokens)
     the decoder stack's forward+backward took 3.97 s as einsums and 3.16 s as 2-D matmuls
     (`scripts/bench_train.py`, README "Throughput").
+
+    A `models.lora.LoraLinear` w adds its low-rank path: x W + s · (x A) B (PEFT's order), never forming A B.
     """
+    if isinstance(w, LoraLinear):
+        return dense(x, w.w, n_in) + w.scale * dense(dense(x, w.lora_a, n_in), w.lora_b)
     lead, w_in, w_out = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if x.shape[x.ndim - n_in:] != w_in:
         raise ValueError(f"dense: x {x.shape} last {n_in} axes must equal w {w.shape} first {n_in}")

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from . import lora as _lora
 from .config import ModelConfig
 
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "pages", "page_size")
@@ -174,12 +175,24 @@ def weight_specs(cfg: ModelConfig, dtype=jnp.float32, vocab_size: int | None = N
         bq=bias(H, "heads"), bk=bias(K, "kv_heads"), bv=bias(K, "kv_heads"),
         q_norm=norm(), k_norm=norm(),
     )
+    if cfg.lora is not None:
+        layers = dataclasses.replace(layers, **{f: _adapter_specs(getattr(layers, f), f, cfg.lora.rank, cfg.lora.scale)
+                                                for f in cfg.lora.fields})
     return Weights(
         embed=spec((V, E), ("vocab", "embed"), embed_init),
         layers=layers,
         final_norm=spec((E,), ("embed",), _ones),
         lm_head=None if cfg.tie_embeddings else spec((E, V), ("embed", "vocab"), head_init),
     )
+
+
+def _adapter_specs(w: ArraySpec, field: str, rank: int, scale: float) -> _lora.LoraLinear:
+    """W's spec with its adapters: A [L, *in, r] on W's input axes, B [L, r, *out] (zeros) on its output axes;
+    the rank axis is never sharded."""
+    k = 1 + _lora.n_in(field)
+    a = ArraySpec(w.shape[:k] + (rank,), w.dtype, w.axes[:k] + (None,), _lora.adapter_init)
+    b = ArraySpec(w.shape[:1] + (rank,) + w.shape[k:], w.dtype, w.axes[:1] + (None,) + w.axes[k:], _zeros)
+    return _lora.LoraLinear(w, a, b, scale)
 
 
 def kv_cache_spec(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> ArraySpec:
@@ -206,7 +219,12 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights
     """Random weights. With `shardings` (a `Weights` tree of `jax.sharding.Sharding`), each leaf is
     created directly in its sharding by one jitted program, so no device ever holds a whole leaf.
     `vocab_size`: pad `embed` rows / `lm_head` columns up to it with zeros (`weight_specs`); the real rows
-    get the same values as an unpadded init with the same key."""
+    get the same values as an unpadded init with the same key. With `cfg.lora`, the base weights are those of
+    the same config without adapters (same key), and the adapters come from `attach_lora` (a key folded from it)."""
+    if cfg.lora is not None:
+        plain = dataclasses.replace(cfg, lora=None)
+        w = init(key, plain, dtype, None if shardings is None else _lora.base(shardings), vocab_size)
+        return attach_lora(w, cfg, jax.random.fold_in(key, _lora.ATTACH_KEY), shardings)
     specs = weight_specs(cfg, dtype, vocab_size)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     out_shardings = None if shardings is None else tuple(jax.tree.leaves(shardings))
@@ -218,6 +236,31 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights
         return tuple(s.init(k, s.shape, s.dtype) for k, s in zip(keys, leaves))
 
     return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=out_shardings)(key))
+
+
+def attach_lora(weights, cfg: ModelConfig, key: jax.Array, shardings=None):
+    """Plain `weights` (a base model: initialised or loaded) with fresh adapters for `cfg.lora` (A drawn as PEFT
+    does, uniform in ±1/sqrt(fan_in); B zeros). `shardings`: the LoRA tree's shardings (from
+    `logical_axes(cfg)`), so each adapter is created in place."""
+    if cfg.lora is None:
+        raise ValueError("attach_lora: the model config has no lora section")
+    if _lora.has_adapters(weights):
+        raise ValueError("attach_lora: the weights already carry adapters")
+    specs = weight_specs(cfg, weights.final_norm.dtype, vocab_size=int(weights.embed.shape[0]))
+    layers = specs.layers
+    names = list(cfg.lora.fields)
+    sh = [None] * len(names) if shardings is None else [getattr(shardings.layers, f) for f in names]
+    keys = jax.random.split(key, len(names))
+    new = {}
+    for name, k, s in zip(names, keys, sh):
+        spec = getattr(layers, name)
+        out = None if s is None else (s.lora_a, s.lora_b)
+        make = jax.jit(lambda k, spec=spec: (spec.lora_a.init(k, spec.lora_a.shape, spec.lora_a.dtype),
+                                             spec.lora_b.init(k, spec.lora_b.shape, spec.lora_b.dtype)),
+                       out_shardings=out)
+        a, b = make(k)
+        new[name] = _lora.LoraLinear(getattr(weights.layers, name), a, b, cfg.lora.scale)
+    return dataclasses.replace(weights, layers=dataclasses.replace(weights.layers, **new))
 
 
 def vocab_rows(weights: Weights) -> int:

@@ -47,7 +47,7 @@ from jaxrl.train.blockwise import BlockwiseUpdater, block_step, recompute_kv  # 
 from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.config.train import OptimSection  # noqa: E402
 from jaxrl.train.step import STATS, LossSpec, make_grad_step  # noqa: E402
-from models import PRESETS, abstract, init  # noqa: E402
+from models import PRESETS, abstract, init, lora  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_blockwise.json"
 FLOAT_FIELDS = ("advantages", "weights", "ref_logp")
@@ -86,7 +86,7 @@ def memory_row(cfg, dtype, rows: int, seq_len: int, block: int, spec: LossSpec, 
     kv_exe = kv_fn.lower(params, mbp).compile()
     hk = jax.eval_shape(kv_fn, params, mbp)[0]      # C as the block step takes it (`stored_history`)
     gk = jax.ShapeDtypeStruct(hk.shape, jnp.float32)
-    acc = (params, {k: jax.ShapeDtypeStruct((), jnp.float32) for k in STATS})
+    acc = (lora.split(params)[0], {k: jax.ShapeDtypeStruct((), jnp.float32) for k in STATS})   # (LoRA: adapters)
     step = jax.jit(functools.partial(block_step, cfg=cfg, spec=spec, block=block), donate_argnums=(4, 5, 6))
     step_exe = step.lower(params, mbp, hk, hk, gk, gk, acc, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     kv_mem, step_mem = _peak(kv_exe), _peak(step_exe)

@@ -147,7 +147,6 @@ def quickstart_output() -> str:
 
 PPO_QUICKSTART = "ppo_quickstart.json"
 
-
 @renders("ppo-quickstart")
 def ppo_quickstart() -> str:
     """PPO (`algo.advantage=gae`) beside GRPO (the quickstart): both summaries from scripts/quickstart_results.py."""
@@ -533,6 +532,8 @@ def composition() -> str:
                          "*Computed from the code, no machine involved. Rendered from `scripts/results/composition.json` "
                          "by `scripts/docs.py`.*"])
 
+
+_load_module("docs_lora", ROOT / "scripts" / "docs_lora.py").register(renders, load, table, footer, machine)
 
 # ------------------------------------------------------------------------------------------------ pages
 

@@ -1,6 +1,6 @@
 """The quickstart's measured files in scripts/results/, copied from real runs of `python -m jaxrl.train`.
 
-    scripts/venv.sh python scripts/quickstart_results.py                    # all three runs, one after another
+    scripts/venv.sh python scripts/quickstart_results.py                    # all four runs, one after another
     scripts/venv.sh python scripts/quickstart_results.py ppo                # one of them (minutes on 2 cores)
     scripts/venv.sh python scripts/quickstart_results.py quickstart --from runs/quickstart   # copy a finished run
     scripts/venv.sh python scripts/docs.py                                  # then re-render the docs
@@ -11,6 +11,8 @@
                 summary.json -> quickstart.json, curves.png -> quickstart_curves.png     (README's table, figure)
   ppo           algo.advantage=gae (docs/training.md, "PPO with a critic")
                 summary.json -> ppo_quickstart.json, curves.png -> ppo_quickstart_curves.png
+  lora          model.lora.rank=8 (docs/lora.md: LoRA beside full fine-tuning)
+                summary.json -> lora_quickstart.json, curves.png -> lora_quickstart_curves.png
   length-pairs  rollout.skew.enabled=true steps=40 warm_start.steps=400 (docs/streamrl.md: the ranker's history)
                 length_pairs.jsonl -> quickstart_length_pairs.jsonl      (`bench_ranker.py --pairs`'s input)
 
@@ -45,11 +47,13 @@ RUNS: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
                    {"summary.json": "quickstart.json", "curves.png": "quickstart_curves.png"}),
     "ppo": (("algo.advantage=gae",), "runs/ppo_quickstart",
             {"summary.json": "ppo_quickstart.json", "curves.png": "ppo_quickstart_curves.png"}),
+    "lora": (("model.lora.rank=8",), "runs/lora_quickstart",
+             {"summary.json": "lora_quickstart.json", "curves.png": "lora_quickstart_curves.png"}),
     "length-pairs": (("rollout.skew.enabled=true", "steps=40", "warm_start.steps=400"), "runs/length_pairs_quickstart",
                      {"length_pairs.jsonl": "quickstart_length_pairs.jsonl"}),
 }
 OUTPUTS = ("quickstart.json", "quickstart_curves.png", "ppo_quickstart.json", "ppo_quickstart_curves.png",
-           "quickstart_length_pairs.jsonl")       # what it writes into scripts/results/ (tests/test_docs.py)
+           "lora_quickstart.json", "lora_quickstart_curves.png", "quickstart_length_pairs.jsonl")       # what it writes into scripts/results/ (tests/test_docs.py)
 COMMAND = "python -m jaxrl.train"
 
 

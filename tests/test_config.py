@@ -30,6 +30,12 @@ def config_error(fn, *args) -> ConfigError:
 
 # -- serialisation -----------------------------------------------------------------------------------
 
+def _lists(x):
+    if isinstance(x, dict):
+        return {k: _lists(v) for k, v in x.items()}
+    return [_lists(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 @pytest.mark.parametrize("cfg", [
     DemoConfig(),
     DEMO_RECIPE,
@@ -39,8 +45,9 @@ def config_error(fn, *args) -> ConfigError:
 def test_yaml_round_trip(cfg):
     text = to_yaml(cfg)
     assert from_yaml(DemoConfig, text) == cfg
-    # Plain nested YAML in field order: no values encoded as strings, nothing the dataclass lacks.
-    assert yaml.safe_load(text) == dataclasses.asdict(cfg)
+    # Plain nested YAML in field order: no values encoded as strings, nothing the dataclass lacks (a tuple
+    # field, e.g. model.lora.targets, is a YAML sequence: a list once loaded).
+    assert yaml.safe_load(text) == _lists(dataclasses.asdict(cfg))
     assert list(yaml.safe_load(text)) == [f.name for f in dataclasses.fields(DemoConfig)]
 
 
@@ -180,7 +187,8 @@ def test_parse_cli_help_lists_every_key_with_its_resolved_value(capsys):
     assert out.startswith("usage: demo [--config FILE] [key=value ...]")
     rows = [line.split(" = ")[0].strip() for line in out.splitlines() if line.startswith("  ") and " = " in line]
     assert rows == ["seed", "prompt_len", "new_tokens", "batch", "run_dir", "model.preset", "model.hf_path",
-                    "model.dtype", "model.sliding_window", "mesh.rollout_tp", "mesh.rollout_instances", "mesh.train.dp", "mesh.train.fsdp",
+                    "model.dtype", "model.sliding_window", "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
+                    "model.lora.targets", "model.lora.adapter", "mesh.rollout_tp", "mesh.rollout_instances", "mesh.train.dp", "mesh.train.fsdp",
                     "mesh.train.tp"]
     for row in ("  seed = 9", "  mesh.train.fsdp = 4", "  mesh.train.tp = 1", "  model.hf_path = null"):
         assert row + "\n" in out or row + " " in out, row

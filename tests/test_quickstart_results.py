@@ -66,6 +66,11 @@ def test_from_copies_each_run(tmp_path, monkeypatch):
     assert got["critic_explained_var_last"] == pytest.approx((0.8 + 0.9) / 2)      # RL steps 8, 9
     assert (out / "ppo_quickstart_curves.png").read_bytes() == (ppo / "curves.png").read_bytes()
 
+    lora = _run(tmp_path, "lora", ["model.lora.rank=8"])
+    qr.main(["lora", "--from", str(lora), "--out-dir", str(out)])
+    assert (out / "lora_quickstart.json").read_text() == (lora / "summary.json").read_text()
+    assert (out / "lora_quickstart_curves.png").read_bytes() == (lora / "curves.png").read_bytes()
+
     pairs = _run(tmp_path, "pairs", ["rollout.skew.enabled=true", "steps=40", "warm_start.steps=400"])
     qr.main(["length-pairs", "--from", str(pairs), "--out-dir", str(out)])
     assert (out / "quickstart_length_pairs.jsonl").read_bytes() == (pairs / "length_pairs.jsonl").read_bytes()

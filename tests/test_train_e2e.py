@@ -59,8 +59,8 @@ def _params(run_dir):
     return [np.asarray(x) for x in jax.tree.leaves(load_hf(Path(run_dir) / "hf")[1])]
 
 
-def _checkpoint_leaves(run_dir, key):
-    """The arrays of `key` (e.g. "critic": its params and AdamW state) in a run's newest checkpoint."""
+def _checkpoint_tree(run_dir):
+    """A run's newest checkpoint state as saved (nested dicts of numpy arrays)."""
     import orbax.checkpoint as ocp
 
     step = max(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
@@ -69,8 +69,12 @@ def _checkpoint_leaves(run_dir, key):
     tree = ckpt.metadata(path)
     tree = getattr(tree, "item_metadata", tree)
     tree = getattr(tree, "tree", tree)
-    state = ckpt.restore(path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
-    return jax.tree.leaves(state[key])
+    return ckpt.restore(path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+
+
+def _checkpoint_leaves(run_dir, key):
+    """The arrays of `key` (e.g. "critic": its params and AdamW state) in a run's newest checkpoint."""
+    return jax.tree.leaves(_checkpoint_tree(run_dir)[key])
 
 
 def _same_weights(ref, *runs):
@@ -160,17 +164,10 @@ SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4"
         "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16"]
 
 
-@pytest.mark.parametrize("tail", [1, 2, 3], ids=["tail_batching", "skew", "async"])
-def test_kill_and_resume_is_bit_identical(tmp_path, tail):
-    """Killed after checkpoint 2 (with tail batching: a queue of 8 prompts in it; with skew placement: the
-    length ranker and its history; one-step-async, with tail batching: the rollout of step 3 (a short
-    round planned after the long one), made on step 1's weights),
-    resumed: the same final weights and per-step metrics as an uninterrupted run. (A plain synchronous run
-    is not killed separately: tail batching's run is the synchronous chain of graph nodes plus its queue.)"""
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    args = ["steps=4", "save_every=1"] + TAIL * (tail in (1, 3)) + SKEW * (tail == 2) + (
-        POOLS + ["placement=disaggregated", "trainer.async_steps=1"]) * (tail == 3)
-    # the uninterrupted run goes alongside the one to be killed (two processes: both cores compile)
+def kill_and_resume(full, killed, args):
+    """`args` run uninterrupted in `full` and, alongside (two processes: both cores compile), in `killed`, which
+    is killed (SIGKILL) once checkpoint 2 exists and then resumed by the same command: the final weights must
+    be bit-identical."""
     cmd = [sys.executable, "-m", "jaxrl.train", *TINY, *args]
     whole = subprocess.Popen([*cmd, f"run_dir={full}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -189,6 +186,19 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tail):
     assert "resumed" in out.stdout + out.stderr
     for a, b in zip(_params(full), _params(killed)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tail", [1, 2, 3], ids=["tail_batching", "skew", "async"])
+def test_kill_and_resume_is_bit_identical(tmp_path, tail):
+    """Killed after checkpoint 2 (with tail batching: a queue of 8 prompts in it; with skew placement: the
+    length ranker and its history; one-step-async, with tail batching: the rollout of step 3 (a short
+    round planned after the long one), made on step 1's weights),
+    resumed: the same final weights and per-step metrics as an uninterrupted run. (A plain synchronous run
+    is not killed separately: tail batching's run is the synchronous chain of graph nodes plus its queue.)"""
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    args = ["steps=4", "save_every=1"] + TAIL * (tail in (1, 3)) + SKEW * (tail == 2) + (
+        POOLS + ["placement=disaggregated", "trainer.async_steps=1"]) * (tail == 3)
+    kill_and_resume(full, killed, args)
     assert [r["reward_mean"] for r in _metrics(full)] == [r["reward_mean"] for r in _metrics(killed)]
     if tail == 2:         # the resumed ranker trains and ranks as the uninterrupted one did
         rows = _metrics(killed)

@@ -76,6 +76,8 @@ MECHANISMS: dict[str, Mechanism] = {
                      "the whole batch before the update", "DistFlow (PPO)"),
     "two_processes": Mechanism(("distributed.num_processes=2",), "how many controllers run the graph",
                                "global agreement on counts", "DistFlow"),
+    "lora": Mechanism(("model.lora.rank=8",), "which weights train (low-rank adapters; the base frozen, the reference)",
+                      "a base model (initialised or an HF checkpoint)", "LoRA (Hu et al.)"),
 }
 
 

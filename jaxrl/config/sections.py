@@ -7,12 +7,49 @@ import dataclasses
 import jax.numpy as jnp
 
 from models import config_from_hf
-from models.config import PRESETS, ModelConfig, preset
+from models.peft_io import lora_config_from_peft
+from models.config import LORA_TARGETS, PRESETS, LoraConfig, ModelConfig, preset
 from sharding import Layout
 
 from .base import Section, check_choice, check_int, check_str
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection(Section):
+    """LoRA (`models.lora`): train low-rank adapters on the projections, the base weights frozen in their dtype.
+
+    `rank` > 0 or an `adapter` turns it on. The reference policy is then the base model with the adapters off (no second copy
+    of the weights), the optimizer state and the checkpoints hold the adapters alone, the weight sync moves
+    the adapters alone, and the run ends with a merged HF checkpoint (`RUN/hf`) and a PEFT adapter
+    (`RUN/adapter`). `adapter`: a PEFT adapter directory to start from (its rank, alpha and targets win).
+    """
+
+    rank: int = 0                          # adapter rank r; 0 = off (full-parameter training)
+    alpha: float = 16.0                    # scale alpha / r on the adapter path
+    dropout: float = 0.0                   # adapter input dropout; only 0 (RL scores with the sampling policy)
+    targets: tuple[str, ...] = tuple(LORA_TARGETS)   # PEFT module names: q_proj ... down_proj
+    adapter: str | None = None             # a PEFT adapter directory to start from / generate with (its r, alpha win)
+
+    def __post_init__(self):
+        check_int("lora.rank", self.rank, minimum=0)
+        check_str("lora.adapter", self.adapter, allow_none=True)
+        if self.rank and not self.adapter:      # (an adapter directory is read when the model is built)
+            try:
+                self.config()
+            except ValueError as e:
+                raise ValueError(f"model.{e}") from None
+
+    def config(self) -> LoraConfig | None:
+        """The `models.config.LoraConfig` (the `adapter`'s when given: `models.peft_io.lora_config_from_peft`),
+        or None when off."""
+        if self.adapter:
+            return lora_config_from_peft(self.adapter)
+        if not self.rank:
+            return None
+        return LoraConfig(rank=self.rank, alpha=float(self.alpha), dropout=float(self.dropout),
+                          targets=tuple(self.targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +68,7 @@ class ModelSection(Section):
     hf_path: str | None = None             # local HF checkpoint directory (config.json, *.safetensors); wins over preset
     dtype: str = "float32"                 # parameter and activation dtype: float32, bfloat16 or float16
     sliding_window: int | None = None      # attention window W on every layer; null = the model's own
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)   # low-rank adapters (rank > 0: on)
 
     def __post_init__(self):
         check_choice("preset", self.preset, sorted(PRESETS))
@@ -41,11 +79,13 @@ class ModelSection(Section):
 
     def model_config(self) -> ModelConfig:
         """The ModelConfig: read from `hf_path`'s config.json when set, else the preset; `sliding_window`
-        replaces the model's window when set."""
+        replaces the model's window when set; `lora` (rank > 0) adds the adapters."""
         if self.hf_path is None:
             cfg = preset(self.preset)
         else:
             cfg = config_from_hf(self.hf_path)
+        if self.lora.rank or self.lora.adapter:
+            cfg = dataclasses.replace(cfg, lora=self.lora.config())
         if self.sliding_window is None:
             return cfg
         if cfg.architecture == "llama":     # refused now rather than at the HF export that ends the run

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence as Seq
 import jax
 
 from jaxrl.runtime import enable_compilation_cache
-from models import ModelConfig, Weights, fit_vocab, logical_axes, vocab_rows
+from models import ModelConfig, Weights, fit_vocab, logical_axes, lora, vocab_rows
 from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups
 
 from . import migration
@@ -53,6 +53,8 @@ KV_MODES = ("migrate", "recompute")
 
 
 class RolloutService:
+    synced_bytes = 0        # weight bytes the syncs (update_weights, relayout(weights=)) moved, in total
+
     def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int | Seq[int] = 1, instances: int | None = None,
                  devices=None, num_pages: int | None = None, page_size: int = 16, max_batch: int = 64,
                  max_seq_len: int = 1024, kv_bytes_per_device: int | None = None,
@@ -152,9 +154,12 @@ class RolloutService:
             raise ValueError(f"global (multi-process) weights need instances of one tp size; got {sorted(tps)}")
         tp = tps.pop()
         padded = padded_vocab_for(self.cfg, Layout(tp=tp))
-        if vocab_rows(weights) != padded:          # the rollout's vocabulary padding, on the global arrays
+        shardings = self.weight_shardings(meshes[0])
+        if weights.embed is None:                  # LoRA's adapters alone (`update_weights`)
+            shardings = lora.split(shardings)[0]
+        elif vocab_rows(weights) != padded:        # the rollout's vocabulary padding, on the global arrays
             weights = fit_vocab(weights, padded)
-        specs = jax.tree.map(lambda sh: sh.spec, self.weight_shardings(meshes[0]))
+        specs = jax.tree.map(lambda sh: sh.spec, shardings)
         return to_local_groups(weights, specs, [list(m.devices.flat) for m in meshes], tp)
 
     # ------------------------------------------------------------------ requests
@@ -310,17 +315,31 @@ class RolloutService:
                                          weights=weights, classes=classes)
         self.instances = new
         self._where = {rid: inst for inst in new for rid in inst.live_rids()}
+        if weights is not None:
+            self.synced_bytes += report.weight_bytes
         report.seconds = time.perf_counter() - t0
         return report
 
     def update_weights(self, weights: Weights) -> list:
-        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports."""
+        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports. With LoRA
+        (`models.lora`) only the adapters move while every instance still holds its frozen base (the base is
+        never trained; an instance whose base arrays were the trainer's, donated by its update, gets the whole
+        tree again)."""
         reports, given = [], migration.buffers(weights)
-        copies = self._local_copies(weights, [i.mesh for i in self.instances])
+        adapters = lora.has_adapters(weights) and all(
+            not x.is_deleted() for i in self.instances for x in jax.tree.leaves(lora.split(i.weights)[1]))
+        src = lora.split(weights)[0] if adapters else weights
+        copies = self._local_copies(src, [i.mesh for i in self.instances])
         for k, inst in enumerate(self.instances):
-            inst.weights, r = self.place(weights if copies is None else copies[k], inst.mesh)
+            w = src if copies is None else copies[k]
+            if adapters:
+                new, r = reshard(w, lora.split(self.weight_shardings(inst.mesh))[0])
+                inst.weights = lora.join(new, lora.split(inst.weights)[1])
+            else:
+                inst.weights, r = self.place(w, inst.mesh)
             inst.external = migration.buffers(inst.weights) & given
             reports.append(r)
+        self.synced_bytes += sum(r.bytes_moved for r in reports)
         return reports
 
     # ------------------------------------------------------------------ stats

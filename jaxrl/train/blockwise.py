@@ -74,7 +74,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.rollout.executor import canonical
 from kernels import attention
-from models import ModelConfig, decoder_stack
+from models import ModelConfig, decoder_stack, lora
 
 from .batch import FIELDS
 from .distributed import allgather
@@ -139,7 +139,7 @@ def history_sharding(rows_sharding):
 def acc_shardings(params) -> dict:
     """`_zero_acc`'s static arguments: the parameters' leaf shardings and the stats sums' (replicated over
     their mesh); None for parameters that are not on a mesh."""
-    leaves = tuple(canonical(x.sharding) for x in jax.tree.leaves(params))
+    leaves = tuple(canonical(x.sharding) for x in jax.tree.leaves(lora.split(params)[0]))
     if not isinstance(leaves[0], NamedSharding):
         return {"shardings": None, "scalar": None}
     return {"shardings": leaves, "scalar": NamedSharding(leaves[0].mesh, P())}
@@ -178,7 +178,9 @@ def _zeros_like_kv(hist_k, *, sharding=None):
 
 
 def _zero_acc(params, *, shardings=None, scalar=None):
-    """Zero gradient sums in the parameters' own shardings (`shardings`: their leaves'), zero stats sums."""
+    """Zero gradient sums of the trainable parameters in their own shardings (`shardings`: their leaves'), zero
+    stats sums."""
+    params = lora.split(params)[0]
     leaves = jax.tree.leaves(params)
     zeros = [_constrain(jnp.zeros(p.shape, p.dtype), s) for p, s in zip(leaves, shardings or [None] * len(leaves))]
     stats = {k: _constrain(jnp.zeros((), jnp.float32), scalar) for k in STATS}
@@ -196,7 +198,11 @@ def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: M
     blk = {k: cut(v) for k, v in mb.items()}
     a = Attn(spec.attention_impl, cfg.sliding_window, PAIR_BLOCK)
 
-    def forward(params, gk, gv):
+    trainable, frozen = lora.split(params)       # differentiate the trainable leaves only (LoRA: the adapters)
+
+    def forward(trainable, gk, gv):
+        params = lora.join(trainable, frozen)
+
         def attend(l, q, k, v, carry, xs_l):
             o, gk, gv = history_attention(a, q, k, v, *carry, *xs_l, l, start, blk["segment_ids"],
                                           mb["segment_ids"])
@@ -209,7 +215,7 @@ def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: M
 
     own = lambda g: lax.dynamic_slice_in_dim(g, start, block, axis=2)     # noqa: E731  ∇C[block], read first
     own_k, own_v = own(grad_k), own(grad_v)
-    (loss, g, (kb, vb)), vjp, sums = jax.vjp(forward, params, grad_k, grad_v, has_aux=True)
+    (loss, g, (kb, vb)), vjp, sums = jax.vjp(forward, trainable, grad_k, grad_v, has_aux=True)
     # ∇C's cotangent in = ∇C itself: out comes ∇C with every layer's history gradient added in place
     g_params, grad_k, grad_v = vjp((jnp.ones_like(loss), g, (own_k.astype(kb.dtype), own_v.astype(vb.dtype))))
     grads, stats = acc

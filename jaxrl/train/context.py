@@ -1,7 +1,8 @@
 """The update side of a run, as typed components (ARCHITECTURE.md, "Components"): what the update stage,
 the warm-up and the checkpoints read, built once from the config.
 
-    Policy          the policy's train state: params, opt_state, ref_params (kl_coef > 0). One object
+    Policy          the policy's train state: params, opt_state, ref_params (kl_coef > 0; with LoRA the base
+                    weights, read from params). One object
                     shared by the trainer, the graph's nodes and the train pool's thread, each of which
                     replaces its fields (the update donates the old arrays)
     UpdateContext   the train mesh and its shardings, the loss, the fixed micro-batch shape and the update
@@ -19,7 +20,7 @@ from typing import Any, Callable
 from jax.sharding import Mesh
 
 from jaxrl.config.train import TrainConfig
-from models import ModelConfig
+from models import ModelConfig, lora
 
 from . import rl
 from .blockwise import BlockwiseUpdater
@@ -28,18 +29,44 @@ from .step import LossSpec, make_logprob_fn, make_train_step
 from .update import Updater
 
 
-@dataclasses.dataclass
 class Policy:
-    params: Any
-    opt_state: Any
-    ref_params: Any = None
+    """The policy's train state. With LoRA (`models.lora`) the reference policy is the base model with the
+    adapters off: `ref_params` reads it from the live params (no copy, never stale), and a checkpoint holds the
+    adapters and their optimizer state only (the base comes back from where it came: the init or the HF
+    checkpoint). `save_base`: a checkpoint also holds the base weights, when the run changes them (the
+    supervised warm start trains the base of a LoRA run) and their source would not give them back."""
+
+    def __init__(self, params, opt_state, ref_params=None, *, save_base: bool = False):
+        self.params, self.opt_state, self._ref, self.save_base = params, opt_state, ref_params, save_base
+
+    @property
+    def lora(self) -> bool:
+        return lora.has_adapters(self.params)
+
+    @property
+    def ref_params(self):
+        return lora.base(self.params) if self.lora else self._ref
+
+    @ref_params.setter
+    def ref_params(self, value):
+        if not self.lora:
+            self._ref = value
 
     def state(self) -> dict:
         """What a checkpoint saves of it."""
-        state = {"params": self.params, "opt_state": self.opt_state}
-        if self.ref_params is not None:
-            state["ref_params"] = self.ref_params
+        state = {"params": lora.split(self.params)[0], "opt_state": self.opt_state}
+        if self._ref is not None and not self.lora:
+            state["ref_params"] = self._ref
+        if self.save_base and self.lora:
+            state["base"] = lora.base(self.params)
         return state
+
+    def load_state(self, state: dict) -> None:
+        """`state()`'s inverse: the trainable params joined with this policy's frozen ones."""
+        params = lora.rebase(self.params, state["base"]) if "base" in state else self.params
+        self.params = lora.join(state["params"], lora.split(params)[1])
+        self.opt_state = state["opt_state"]
+        self.ref_params = state.get("ref_params")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import algos
 from jaxrl.rollout.executor import ExecutableCache
-from models import forward
+from models import forward, lora
 
 from . import rl
 from .distributed import global_sum
@@ -91,7 +91,7 @@ class Critic:
         self.model_cfg, self.mesh, self.cache = model_cfg, mesh, cache
         self.tx, self.lr = make_optimizer(section.optim, total_updates)
         rep = NamedSharding(mesh, P())
-        self.shardings = {"trunk": param_shardings, "head": {"w": rep, "b": rep}}
+        self.shardings = {"trunk": lora.base(param_shardings), "head": {"w": rep, "b": rep}}
         fwd = dict(cfg=model_cfg, attention_impl=trainer.attention_impl)
         self._values = jax.jit(functools.partial(token_values, **fwd))
         self._grad = jax.jit(functools.partial(_grads, clip=section.value_clip, remat=trainer.remat, **fwd),
@@ -100,12 +100,13 @@ class Critic:
         self.params = self.opt_state = None
 
     def init(self, policy_params) -> None:
-        """Trunk = a copy of the policy's weights (the train step donates the live ones), head = zeros."""
+        """Trunk = a copy of the policy's weights (the train step donates the live ones), head = zeros. A LoRA
+        policy's trunk is its merged weights: the critic trains every weight (simplification: no adapters)."""
         rep = self.shardings["head"]["w"]
         embed = policy_params.final_norm.shape[-1]
         head = {"w": jax.device_put(jnp.zeros((embed,), jnp.float32), rep),
                 "b": jax.device_put(jnp.zeros((), jnp.float32), rep)}
-        self.params = {"trunk": jax.tree.map(jnp.copy, policy_params), "head": head}
+        self.params = {"trunk": jax.tree.map(jnp.copy, lora.merge(policy_params)), "head": head}
         self.opt_state = init_state(self.tx, self.params, self.shardings, self.mesh)
 
     def state(self) -> dict:

@@ -1,6 +1,8 @@
 """Optimizer: AdamW with linear warm-up, then cosine/linear/constant decay, and global-norm clipping.
 
-Weight decay applies to the projection and embedding matrices only, not to norms or biases.
+Weight decay applies to the projection and embedding matrices only, not to norms or biases (and to LoRA's
+adapters, as PEFT with the HF Trainer does). With LoRA the optimizer sees the adapters alone
+(`models.lora.split`): its state has no entry for a frozen weight.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.config.train import OptimSection
+from models import lora
 
-_DECAYED = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+_DECAYED = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lora_a", "lora_b"}
 
 
 def schedule(o: OptimSection, total_steps: int) -> optax.Schedule:
@@ -43,7 +46,9 @@ def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTra
 
 def init_state(tx: optax.GradientTransformation, params, param_shardings, mesh):
     """Optimizer state laid out like the params (moments share each param's sharding) with the rest
-    (step counters) replicated over the mesh — global arrays every process can checkpoint."""
+    (step counters) replicated over the mesh — global arrays every process can checkpoint. Of the trainable
+    leaves only (with LoRA: the adapters)."""
+    params, param_shardings = lora.split(params)[0], lora.split(param_shardings)[0]
     abstract = jax.eval_shape(tx.init, params)
     out = optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_shardings,
                                 transform_non_params=lambda _: NamedSharding(mesh, P()))

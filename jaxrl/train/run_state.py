@@ -3,8 +3,8 @@
     save(ckpt, step, cfg, policy, critic, rollout, rewards)
     step = restore(ckpt, cfg, policy, critic, rollout, rewards)     # None: nothing usable, start fresh
 
-Arrays (the checkpoint's state): the policy's params and opt_state, the reference weights when kl_coef
-is set, PPO's critic. Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
+Arrays (the checkpoint's state): the policy's params and opt_state (with LoRA: the adapters and theirs), the
+reference weights when kl_coef is set (not with LoRA: the base is the reference), PPO's critic. Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
 the loader's position, the long-prompt queue, the planner, the length ranker, one-step-async's next
 rollout) and the reward scheduler's adaptive timeouts.
 """
@@ -55,8 +55,7 @@ def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: C
             critic.params = critic.opt_state = None
         return None
     step, state, meta = got
-    policy.params, policy.opt_state = state["params"], state["opt_state"]
-    policy.ref_params = state.get("ref_params")
+    policy.load_state(state)
     if critic is not None:
         critic.load(state["critic"])
     rollout.load_state_dict(meta)

@@ -50,7 +50,7 @@ from jaxrl import algos
 from jaxrl.config.train import AlgoSection, TrainerSection
 from kernels.logprob_loss import token_loss_sum
 from kernels.logprobs import token_logprobs
-from models import ModelConfig, forward, lm_head
+from models import ModelConfig, forward, lm_head, lora
 from models.forward import ATTENTION_IMPLS, REMAT_POLICIES
 
 LOSS_KINDS = ("rl", "sft")
@@ -182,7 +182,12 @@ def hidden_loss(params, cfg: ModelConfig, spec: LossSpec, h, mb):
 
 
 def _grads(params, mb, acc=None, *, cfg: ModelConfig, spec: LossSpec):
-    (_, sums), g = jax.value_and_grad(functools.partial(loss_fn, cfg=cfg, spec=spec), has_aux=True)(params, mb=mb)
+    """Gradients w.r.t. the trainable leaves only (`models.lora.split`: the adapters with LoRA, every leaf
+    without): the frozen weights are constants of the differentiated function, so their gradient is never
+    formed."""
+    trainable, frozen = lora.split(params)
+    loss = lambda t, mb: loss_fn(lora.join(t, frozen), cfg, spec, mb)     # noqa: E731
+    (_, sums), g = jax.value_and_grad(loss, has_aux=True)(trainable, mb)
     return (g, sums) if acc is None else jax.tree.map(jnp.add, acc, (g, sums))
 
 
@@ -214,11 +219,12 @@ def _update(params, opt_state, grad_sums, denominator, stats=None, *, tx: optax.
         n = jnp.maximum(stats["tokens"], 1.0)
         metrics.update(loss=loss, entropy=stats["entropy"] / n, kl=stats["kl"] / n,
                        clip_frac=stats["clipped"] / n, nll=stats["nll"] / n, tokens=stats["tokens"])
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    trainable, frozen = lora.split(params)      # the optimizer sees the trainable leaves only
+    updates, new_opt = tx.update(grads, opt_state, trainable)
+    new_params = optax.apply_updates(trainable, updates)
     keep = lambda new, old: jax.tree.map(lambda n_, o: jnp.where(ok, n_, o), new, old)
     metrics["skipped"] = (~ok).astype(jnp.int32)
-    return keep(new_params, params), keep(new_opt, opt_state), metrics
+    return lora.join(keep(new_params, trainable), frozen), keep(new_opt, opt_state), metrics
 
 
 def make_apply_update(tx: optax.GradientTransformation):

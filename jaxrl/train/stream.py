@@ -67,7 +67,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.config.base import ConfigError
 from jaxrl.config.stream import StreamSection, check_stream
-from models import logical_axes, vocab_rows
+from models import logical_axes, lora, vocab_rows
 from sharding import Layout, ShardingRules, reshard, shardings_for
 
 from .batch import FIELDS, Sample
@@ -301,8 +301,9 @@ class StreamTrainer:
         self._check_begun()
         self._sub = self._sub_for(devices)
         self._sub_params, _ = reshard(self._params, self._sub.params)
-        if self.spec.kl_coef:
-            self._sub_ref, _ = reshard(self._ref, self._sub.params)
+        if self.spec.kl_coef:       # LoRA: the reference is the base, already there inside the copied params
+            self._sub_ref = lora.base(self._sub_params) if lora.has_adapters(self._sub_params) else \
+                reshard(self._ref, self._sub.params)[0]
         self.gs.target(self._sub_params, self._sub_ref, self._sub.rows)
 
     def add_group(self, samples: list[Sample]):
@@ -334,7 +335,7 @@ class StreamTrainer:
                   "stream/moved": self.moved, "stream/move_s": self.move_s,
                   "stream/peak_pages": self.plan.peak_pages if self.plan else 0,
                   "stream/budget_pages": self.plan.budget_pages if self.plan else 0})
-        for x in jax.tree.leaves((self._sub_params, self._sub_ref)):
+        for x in {id(x): x for x in jax.tree.leaves((self._sub_params, self._sub_ref))}.values():
             x.delete()
         self._reset(None, None)
         return params, opt_state, m
@@ -360,7 +361,8 @@ class StreamTrainer:
                 x.delete()
             smb = self.gs.abstract_mb(sub.rows)
             if self.spec.kl_coef:
-                self.updater.cache.compile("logp", self.updater.logp, p, {k: smb[k] for k in FIELDS})
+                self.updater.cache.compile("logp", self.updater.logp, lora.base(p),    # (LoRA: the base)
+                                           {k: smb[k] for k in FIELDS})
             self.updater.warm_accumulate(p, smb)
         warm_sum(self.gs, params)                 # the final sum's add program
         return self.updater.cache.compiles - before

@@ -37,7 +37,8 @@ from jaxrl.flow import Flow, GraphError, SampleBuffer, StepData, TrainContext
 from jaxrl.rewards import RewardPool, RewardScheduler, check_rewards, reward_names
 from jaxrl.rollout import RolloutService
 from jaxrl.runtime import CompileCounter
-from models import init, load_hf, load_tokenizer, logical_axes, save_hf
+from models import load_tokenizer, logical_axes, lora, save_hf
+from models.peft_io import load_weights, save_peft
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
 from . import rl, run_state
@@ -101,12 +102,10 @@ class Trainer:
         mesh = layout.make_mesh(train_devices)
         vocab = padded_vocab_for(model_cfg, layout)     # vocab rows padded to a multiple of tp
         shardings = shardings_for(logical_axes(model_cfg, vocab_size=vocab), mesh, ShardingRules.train(model_cfg, layout))
-        if cfg.model.hf_path:
-            _, params = load_hf(cfg.model.hf_path, dtype=dtype, shardings=shardings, vocab_size=vocab)
-        else:
-            params = init(jax.random.key(cfg.seed), model_cfg, dtype, shardings=shardings, vocab_size=vocab)
+        params = load_weights(model_cfg, key=jax.random.key(cfg.seed), dtype=dtype, hf_path=cfg.model.hf_path,
+                              adapter=cfg.model.lora.adapter, shardings=shardings, vocab_size=vocab)
         tx, self.lr = make_optimizer(cfg.optim, cfg.steps * a.mini_batches)
-        policy = Policy(params, init_state(tx, params, shardings, mesh))
+        policy = Policy(params, init_state(tx, params, shardings, mesh), save_base=cfg.warm_start.steps > 0)
         uc = UpdateContext.build(cfg, model_cfg, mesh, shardings, policy, tx, dtype)
         critic = None        # PPO's value model (algo.advantage=gae); its weights are made when RL starts
         if a.advantage == "gae":
@@ -173,13 +172,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- before RL steps
     def warm_start(self):
-        """Supervised steps on demonstrations (built-in tasks), before RL; skipped on resume."""
+        """Supervised steps on demonstrations (built-in tasks), before RL; skipped on resume. With LoRA they
+        train the base weights (full-parameter), not the adapters."""
         if self.cfg.warm_start.steps == 0 or self.resumed:
             return
-        uc = self.update
-        self.policy.params = supervised_warm_start(self.cfg, self.dataset, self.tokenizer, self.policy.params,
-                                                   uc.shardings, uc.mesh, uc.pack_len, uc.mb_rows, uc.model_cfg,
-                                                   self.metrics, is_main=self.is_main)
+        uc, params = self.update, self.policy.params
+        # With LoRA the warm start trains the base (it stands for the pretraining/SFT a base model comes with);
+        # RL then trains the adapters on it, and the warmed base is the reference policy.
+        base = supervised_warm_start(self.cfg, self.dataset, self.tokenizer, lora.base(params),
+                                     lora.base(uc.shardings), uc.mesh, uc.pack_len, uc.mb_rows, uc.model_cfg,
+                                     self.metrics, is_main=self.is_main)
+        self.policy.params = lora.rebase(params, base)
         self.svc.update_weights(self.policy.params)
 
     def warm_up(self):
@@ -205,7 +208,7 @@ class Trainer:
         staleness = check_staleness(self.step, [data.version])
         t2 = data.extra["times"][self.flow.plan.stages[0].head.id][1]     # the rollout's end
         all_rewards, all_lens = data.extra.get("rollout", (data.rewards, data.lens))   # before a group filter
-        t3 = time.perf_counter()
+        t3, synced = time.perf_counter(), self.svc.synced_bytes
         self.rollout.sync(pol.params, self.step + 1)
         t4 = time.perf_counter()
         if self.timeline is not None:
@@ -219,6 +222,7 @@ class Trainer:
                                                           train_s=t3 - t2, sync_s=t4 - t3, step_seconds=t4 - t0),
                            lr=float(self.lr(self.step * cfg.algo.mini_batches)), svc=self.svc)
         out["preemptions"] = rstats["preempted"]
+        out["sync_bytes"] = self.svc.synced_bytes - synced     # weight bytes into the rollout (LoRA: the adapters)
         out["flow/samples"] = int(global_sum([len(data.samples or [])])[0])    # trained, over all processes
         out.update(data.metrics)                   # the nodes' own (flow/...: group filter, repartition)
         out.update(tc.rewards.metrics())           # reward/...: cancellations, elapsed time, adaptive timeouts
@@ -276,8 +280,11 @@ class Trainer:
                 if (cfg.save_every is not None and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                     self._save()
             bar.close()
-            if cfg.export_hf:
+            if cfg.export_hf:        # (merged, with LoRA; and the adapter alone as PEFT files)
                 save_hf(self.run_dir / "hf", self.update.model_cfg, self.policy.params, tokenizer=self.tokenizer)
+                if self.policy.lora:
+                    save_peft(self.run_dir / "adapter", self.update.model_cfg, self.policy.params,
+                              base_model=cfg.model.hf_path)
         except BaseException:
             if self.step == 0 and not self.resumed:
                 self.profiler.close()
