@@ -11,7 +11,7 @@
                 summary.json -> quickstart.json, curves.png -> quickstart_curves.png     (README's table, figure)
   ppo           algo.advantage=gae (docs/training.md, "PPO with a critic")
                 summary.json -> ppo_quickstart.json, curves.png -> ppo_quickstart_curves.png
-  lora          model.lora.rank=8 (docs/lora.md: LoRA beside full fine-tuning)
+  lora          model.lora.rank=8 optim.lr=0.002 (docs/lora.md: LoRA beside full fine-tuning; 4x the lr)
                 summary.json -> lora_quickstart.json, curves.png -> lora_quickstart_curves.png
   length-pairs  rollout.skew.enabled=true steps=40 warm_start.steps=400 (docs/streamrl.md: the ranker's history)
                 length_pairs.jsonl -> quickstart_length_pairs.jsonl      (`bench_ranker.py --pairs`'s input)
@@ -47,7 +47,7 @@ RUNS: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
                    {"summary.json": "quickstart.json", "curves.png": "quickstart_curves.png"}),
     "ppo": (("algo.advantage=gae",), "runs/ppo_quickstart",
             {"summary.json": "ppo_quickstart.json", "curves.png": "ppo_quickstart_curves.png"}),
-    "lora": (("model.lora.rank=8",), "runs/lora_quickstart",
+    "lora": (("model.lora.rank=8", "optim.lr=0.002"), "runs/lora_quickstart",
              {"summary.json": "lora_quickstart.json", "curves.png": "lora_quickstart_curves.png"}),
     "length-pairs": (("rollout.skew.enabled=true", "steps=40", "warm_start.steps=400"), "runs/length_pairs_quickstart",
                      {"length_pairs.jsonl": "quickstart_length_pairs.jsonl"}),

@@ -66,7 +66,7 @@ def test_from_copies_each_run(tmp_path, monkeypatch):
     assert got["critic_explained_var_last"] == pytest.approx((0.8 + 0.9) / 2)      # RL steps 8, 9
     assert (out / "ppo_quickstart_curves.png").read_bytes() == (ppo / "curves.png").read_bytes()
 
-    lora = _run(tmp_path, "lora", ["model.lora.rank=8"])
+    lora = _run(tmp_path, "lora", ["model.lora.rank=8", "optim.lr=0.002"])
     qr.main(["lora", "--from", str(lora), "--out-dir", str(out)])
     assert (out / "lora_quickstart.json").read_text() == (lora / "summary.json").read_text()
     assert (out / "lora_quickstart_curves.png").read_bytes() == (lora / "curves.png").read_bytes()
