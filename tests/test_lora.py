@@ -162,7 +162,7 @@ def test_weight_sync_moves_the_adapters_only_and_equals_a_fresh_copy():
     svc = RolloutService(cfg, params, tp=2, instances=2, devices=devices, max_batch=8, max_seq_len=64)
     base_before = [lora.split(i.weights)[1] for i in svc.instances]
     new = jax.device_put(_randomise_b(params, scale=0.5), shardings)
-    reports = svc.update_weights(new)
+    reports = svc.update_weights(new, adapters_only=True)
     for inst, old in zip(svc.instances, base_before):
         for a, b in zip(jax.tree.leaves(lora.split(inst.weights)[1]), jax.tree.leaves(old)):
             assert a is b                                    # the base stayed where it was
@@ -185,6 +185,12 @@ def test_weight_sync_moves_the_adapters_only_and_equals_a_fresh_copy():
     assert got == run(fresh)
     old = RolloutService(cfg, params, tp=2, instances=2, devices=devices, max_batch=8, max_seq_len=64)
     assert got != run(old)
+    # a changed base (a warm start, a resume) is synced whole unless the caller vouches for the base
+    rebased = jax.device_put(lora.rebase(new, jax.tree.map(lambda x: x * 1.5, lora.base(new))), shardings)
+    svc.update_weights(rebased)
+    for inst in svc.instances:
+        for a, b in zip(jax.tree.leaves(lora.base(inst.weights)), jax.tree.leaves(lora.base(rebased))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_peft_files_round_trip_and_transformers_peft_computes_our_logits(tmp_path):

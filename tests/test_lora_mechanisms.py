@@ -129,6 +129,9 @@ def test_lora_two_processes_disaggregated_async_equal_one(tmp_path):
     for key in ("reward_mean", "response_len_mean", "response_len_max"):
         assert [r[key] for r in m1] == [r[key] for r in m2], key
     assert [r["placement/staleness"] for r in m2] == [0, 1]
+    # step 0 trains on its own rollout's log-probs (one-step-async's behaviour policy): the rollout sampled with
+    # the warmed base the update uses (not the base the instances were built with), so nothing is clipped
+    assert m1[0]["clip_frac"] == 0.0 and m2[0]["clip_frac"] == 0.0
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
     assert (two / "adapter" / "adapter_model.safetensors").exists()

@@ -189,9 +189,9 @@ def test_small_pool_raises_tp_then_lowers_it():
     syncs = []                                  # update_weights calls: none on a step whose layout changes
     update_weights = svc.update_weights
 
-    def counted(w):
+    def counted(w, **kw):
         syncs.append(w)
-        return update_weights(w)
+        return update_weights(w, **kw)
 
     svc.update_weights = counted
     planner = TPPlanner(2, CFG, start_tp=1)

@@ -264,10 +264,12 @@ def _addressable(tree) -> bool:
     return all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in jax.tree.leaves(tree))
 
 
-def apply(svc, layout: RolloutLayout | Decision, weights=None, *, warm: Seq | None = None):
+def apply(svc, layout: RolloutLayout | Decision, weights=None, *, warm: Seq | None = None,
+          adapters_only: bool = False):
     """Bring `svc` to `layout` between steps (no live sequence), syncing `weights` (any layout) on the way.
     Returns the `RelayoutReport` when the layout changed, else None. `warm`: sampling params to compile the
-    new layout's bounded step set right away (`svc.warm`) instead of lazily during the next rollout."""
+    new layout's bounded step set right away (`svc.warm`) instead of lazily during the next rollout.
+    `adapters_only`: on an unchanged layout, a LoRA sync moves the adapters only (`update_weights`)."""
     if svc.live():
         raise RuntimeError(f"apply() runs between steps; {len(svc.live())} sequences are live (abort or finish them)")
     target = [layout.tp] * layout.instances
@@ -276,7 +278,7 @@ def apply(svc, layout: RolloutLayout | Decision, weights=None, *, warm: Seq | No
                          f"devices")
     if svc.layout == target:
         if weights is not None:
-            svc.update_weights(weights)
+            svc.update_weights(weights, adapters_only=adapters_only)
         return None
     if weights is not None and _addressable(weights):
         # One reshard: the new weights go straight into the new instances and the stale rollout copies are

@@ -320,13 +320,14 @@ class RolloutService:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def update_weights(self, weights: Weights) -> list:
-        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports. With LoRA
-        (`models.lora`) only the adapters move while every instance still holds its frozen base (the base is
-        never trained; an instance whose base arrays were the trainer's, donated by its update, gets the whole
-        tree again)."""
+    def update_weights(self, weights: Weights, *, adapters_only: bool = False) -> list:
+        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports.
+        `adapters_only` (LoRA, `models.lora`): the caller vouches that the frozen base of `weights` is the one
+        the instances hold (an RL update never changes it; a warm start or a resume does), so only the adapters
+        move; an instance whose base arrays were the trainer's own, donated by its update, gets the whole tree
+        again."""
         reports, given = [], migration.buffers(weights)
-        adapters = lora.has_adapters(weights) and all(
+        adapters = adapters_only and lora.has_adapters(weights) and all(
             not x.is_deleted() for i in self.instances for x in jax.tree.leaves(lora.split(i.weights)[1]))
         src = lora.split(weights)[0] if adapters else weights
         copies = self._local_copies(src, [i.mesh for i in self.instances])

@@ -260,13 +260,13 @@ class AdaptiveTP:
             svc.relayout(tp0, len(start))
         return n
 
-    def home(self, svc, layout, weights=None, *, warm=None):
+    def home(self, svc, layout, weights=None, *, warm=None, adapters_only: bool = False):
         """Between steps: bring the service back to `layout` (a `planner.RolloutLayout`: the step's starting
         one, or the planner's), syncing `weights` on the way (`planner.apply`). The step's classes end here."""
         self._close()
         self.classes = None
         self._steps = 0
-        return apply(svc, layout, weights, warm=warm)
+        return apply(svc, layout, weights, warm=warm, adapters_only=adapters_only)
 
     def metrics(self, decisions=None) -> dict:
         """pat/...: evaluations, switches, their measured seconds (over `decisions`, default all)."""

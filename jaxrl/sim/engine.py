@@ -220,7 +220,7 @@ class SimService(RolloutService):
     def warm(self, params=(SamplingParams(),)) -> int:
         return 0
 
-    def update_weights(self, weights) -> list:
+    def update_weights(self, weights, *, adapters_only: bool = False) -> list:
         """The weight sync is the step's own stage (timed by the step simulator), not the engine's."""
         return []
 

@@ -212,16 +212,18 @@ class RolloutSide:
         return self.skew.finish(step)
 
     # --------------------------------------------------------------------------------- weights, layout
-    def sync(self, params, version: int):
+    def sync(self, params, version: int, *, base_changed: bool = False):
         """The new weights (of step `version`) into the rollout instances, on the layout the next rollout
-        starts on (`relayout`: one reshard; a layout seen for the first time compiles its step set here)."""
+        starts on (`relayout`: one reshard; a layout seen for the first time compiles its step set here). With
+        LoRA only the adapters move unless `base_changed` (a resume: the base came from the checkpoint) or the
+        layout changes."""
         if self.planner or self.svc.adaptive is not None:
-            self.relayout(params)
+            self.relayout(params, adapters_only=not base_changed)
         else:
-            self.svc.update_weights(params)
+            self.svc.update_weights(params, adapters_only=not base_changed)
         self.engine_version = version
 
-    def relayout(self, weights=None):
+    def relayout(self, weights=None, *, adapters_only: bool = False):
         """The generation layout the next rollout starts on: the planner's for the next round type, else the
         configured one (PAT may have switched mid-rollout), syncing `weights` on the way when given."""
         e = self.cfg.engine
@@ -229,9 +231,9 @@ class RolloutSide:
             else RolloutLayout(e.tp, e.instances)
         warm = self.sampling_params() if self.planner and self.cfg.trainer.warmup else None
         if self.svc.adaptive is not None:
-            self.svc.adaptive.home(self.svc, layout, weights, warm=warm)
+            self.svc.adaptive.home(self.svc, layout, weights, warm=warm, adapters_only=adapters_only)
         else:
-            apply_layout(self.svc, layout, weights, warm=warm)
+            apply_layout(self.svc, layout, weights, warm=warm, adapters_only=adapters_only)
 
     def sampling_params(self) -> list:
         """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""

@@ -165,7 +165,7 @@ class Trainer:
         if step is None:
             return False
         self.step = step
-        self.rollout.sync(self.policy.params, step)
+        self.rollout.sync(self.policy.params, step, base_changed=True)
         if self.is_main:
             print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
         return True
