@@ -156,7 +156,7 @@ def sync_rows(args) -> list[dict]:
             new = jax.tree.map(lambda x: x * 1.0, params)      # a fresh update's arrays (never donated here)
             jax.block_until_ready(new)
             t0 = time.perf_counter()
-            reports = svc.update_weights(new)
+            reports = svc.update_weights(new, adapters_only=rank is not None)     # (what an RL step's sync does)
             jax.block_until_ready([inst.weights for inst in svc.instances])
             if i:
                 seconds.append(time.perf_counter() - t0)
