@@ -265,3 +265,14 @@ def test_generate_with_a_peft_adapter_equals_the_merged_checkpoint(tmp_path):
                          adapter=str(tmp_path / "adapter"))           # what the trainer starts from
     for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_section_checks_its_keys_also_while_off():
+    from jaxrl.config.base import ConfigError
+    from jaxrl.config.loading import load_config
+    from jaxrl.config.train import TrainConfig
+
+    for arg, key in (("model.lora.targets=[qq]", "targets"), ("model.lora.rank=-1", "model.lora.rank"),
+                     ("model.lora.dropout=0.1", "dropout")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(TrainConfig, [arg])

@@ -33,13 +33,12 @@ class LoraSection(Section):
     adapter: str | None = None             # a PEFT adapter directory to start from / generate with (its r, alpha win)
 
     def __post_init__(self):
-        check_int("lora.rank", self.rank, minimum=0)
-        check_str("lora.adapter", self.adapter, allow_none=True)
-        if self.rank and not self.adapter:      # (an adapter directory is read when the model is built)
-            try:
-                self.config()
-            except ValueError as e:
-                raise ValueError(f"model.{e}") from None
+        check_int("rank", self.rank, minimum=0)
+        check_str("adapter", self.adapter, allow_none=True)
+        # alpha, dropout and targets are checked also while off, so a typo never passes silently (an adapter
+        # directory is read when the model is built)
+        LoraConfig(rank=self.rank or 1, alpha=float(self.alpha), dropout=float(self.dropout),
+                   targets=tuple(self.targets))
 
     def config(self) -> LoraConfig | None:
         """The `models.config.LoraConfig` (the `adapter`'s when given: `models.peft_io.lora_config_from_peft`),
