@@ -103,16 +103,17 @@ def rebase(tree, new_base):
 
 
 def delta(x: LoraLinear):
-    """s · A B in W's shape and dtype ([L, *in, *out]), formed in float32."""
+    """s · A B in W's shape, in float32 ([L, *in, *out])."""
     r = x.lora_a.shape[-1]
     a = x.lora_a.astype(jnp.float32).reshape(x.lora_a.shape[0], -1, r)
     b = x.lora_b.astype(jnp.float32).reshape(x.lora_b.shape[0], r, -1)
-    return (x.scale * jnp.matmul(a, b)).reshape(x.w.shape).astype(x.w.dtype)
+    return (x.scale * jnp.matmul(a, b)).reshape(x.w.shape)
 
 
 def merge(tree):
-    """Plain weights W + s · A B (W's dtype): what the HF export writes and a merged rollout copy holds."""
-    return _map_lora(tree, lambda x: (x.w.astype(jnp.float32) + delta(x).astype(jnp.float32)).astype(x.w.dtype))
+    """Plain weights W + s · A B, added in float32 and rounded once to W's dtype: what the HF export writes and
+    a merged rollout copy holds."""
+    return _map_lora(tree, lambda x: (x.w.astype(jnp.float32) + delta(x)).astype(x.w.dtype))
 
 
 def adapter_bytes(tree) -> int:

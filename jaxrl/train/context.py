@@ -38,10 +38,7 @@ class Policy:
 
     def __init__(self, params, opt_state, ref_params=None, *, save_base: bool = False):
         self.params, self.opt_state, self._ref, self.save_base = params, opt_state, ref_params, save_base
-
-    @property
-    def lora(self) -> bool:
-        return lora.has_adapters(self.params)
+        self.lora = lora.has_adapters(params)       # (fixed for a run: an update never adds or drops adapters)
 
     @property
     def ref_params(self):
