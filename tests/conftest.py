@@ -18,6 +18,24 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The order and grouping pyproject's `-n 2 --dist loadgroup` (two pytest-xdist workers) runs in.
+
+    Each test file is one xdist group, so a file's module fixtures and the executables its tests share are
+    built once, in one worker. The tests marked `processes` (runs of several `jax.distributed` processes at
+    once) form their own group instead, run first and one after another: a 2-process run already uses both
+    cores, and two at once beside a third compile would starve the heartbeat of tests/test_heartbeat.py.
+    test_train_e2e.py (the longest file: ~12 of a serial run's ~75 minutes) follows, so no long file starts last."""
+    def group(item):
+        return "processes" if item.get_closest_marker("processes") else item.nodeid.split("::")[0]
+
+    rank = {"processes": 0, "tests/test_train_e2e.py": 1}
+    items.sort(key=lambda item: rank.get(group(item), 2))       # stable: collection order within a rank
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+
+
 def _mappings() -> int:
     try:
         with open("/proc/self/maps") as f:

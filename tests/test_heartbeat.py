@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from jaxrl.train.heartbeat import DONE, EXIT_CODE, Heartbeat, lost_message
 from tests.test_train_e2e import ROOT, TINY, _env, _metrics, _params
@@ -80,6 +81,7 @@ def _port():
     return port
 
 
+@pytest.mark.processes
 def test_kill_9_in_a_two_process_run_stops_the_other_and_resumes(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     args = ["steps=4", "save_every=1", "export_hf=true", "train_layout.fsdp=4", "engine.instances=2",

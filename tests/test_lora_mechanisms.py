@@ -115,6 +115,7 @@ def test_lora_run_kill_and_resume_is_bit_identical(tmp_path):
 
 
 
+@pytest.mark.processes
 def test_lora_two_processes_disaggregated_async_equal_one(tmp_path):
     """LoRA on StreamRL's disaggregated pools, one-step-async, over 2 processes (DistFlow's multi-controller):
     the same rollouts as one process and, within float32 tolerance, the same weights; both export the adapter."""

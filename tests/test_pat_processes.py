@@ -131,6 +131,7 @@ def test_two_pools_switch_at_the_same_tick_and_a_pool_without_work_takes_part(we
     _same(comps[1::2], static["greedy"])
 
 
+@pytest.mark.processes
 def test_two_process_train_run_agrees_on_every_switch(tmp_path):
     """`python -m jaxrl.train` on 2 processes with PAT on a forcing profile: each process's pool (tp1x4 on its
     own 4 devices) switches to tp4x1 in every step, and both processes' decision records (process 0's

@@ -29,6 +29,7 @@ def test_two_processes_config_loads_and_repartition_is_refused():
     load_config(train_cfg.TrainConfig, [*ROLLOUT_KV, "trainer.repartition=tokens"])      # one process: nothing moves
 
 
+@pytest.mark.processes
 def test_two_processes_equal_one(tmp_path):
     """Each process's micro-batch rows come with its own sequences' K/V, placed on the rows `rl.micro_batches`
     gave its tokens: the same rollouts, blockwise blocks over the rollout's K/V, and within float tolerance

@@ -248,6 +248,7 @@ def _one_process(tmp_path_factory, extra):
     return _ONE_PROCESS_RUNS[key]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     """N processes == 1, the samples repartitioned by tokens across processes by the DistFlow databuffer before
@@ -530,6 +531,7 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     assert [r["planner/tp"] for r in m3] == [2, 1, 1]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
     """Each of 2 processes gives 2 devices to the shared fsdp=4 train mesh and 2 to its own generation
@@ -556,6 +558,7 @@ def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
 
 
+@pytest.mark.processes
 def test_all_mechanisms_recipes_run(tmp_path):
     """configs/all_mechanisms.yaml (2 processes: tail batching + dynamic sampling, skew placement, the planner,
     the blockwise backward, token repartition) and its disaggregated one-step-async variant, at the tiny size,
