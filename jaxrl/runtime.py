@@ -5,6 +5,13 @@ executables (rollout decode buckets, prefill chunks, train steps) are written to
 the next process with the same program, so restarts, resumes and CI re-runs skip most compilation.
 Within one process, jit's own cache keys every step by (shapes, shardings) = (layout, bucket, chunk).
 
+On the CPU the persistent cache also serves one program to every device group it runs on: JAX keys an
+XLA:CPU executable by its device assignment (on GPU it strips the assignment and passes the real one when
+it loads the executable), so 8 rollout instances at TP1 compiled each decode bucket 8 times, once per
+device. `enable_compilation_cache()` makes the CPU key device-free as GPU's is; the executable loaded from
+the cache runs on the devices of the call (tests/test_compilation_cache.py checks it on other devices and groups,
+bit for bit).
+
     JAXRL_COMPILATION_CACHE=0          disable
     JAXRL_COMPILATION_CACHE_DIR=PATH   location (default ~/.cache/jaxrl/xla)
 """
@@ -22,14 +29,31 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     """Enable the persistent cache unless disabled or already configured; returns the directory in use."""
     if os.environ.get("JAXRL_COMPILATION_CACHE", "1").lower() in ("0", "false", "off", "no"):
         return None
+    _share_across_devices()
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
     path = Path(path or os.environ.get("JAXRL_COMPILATION_CACHE_DIR") or Path.home() / ".cache" / "jaxrl" / "xla")
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.02)
     return str(path)
+
+
+def _share_across_devices() -> None:
+    """Key CPU executables in the persistent cache without their device assignment (JAX does so for GPU)."""
+    from jax._src import cache_key
+
+    hash_options = cache_key._hash_serialized_compile_options
+    if getattr(hash_options, "_jaxrl_device_free", False):
+        return
+
+    def device_free(hash_obj, compile_options, strip_device_assignment=False):
+        strip = strip_device_assignment or jax.default_backend() == "cpu"
+        return hash_options(hash_obj, compile_options, strip_device_assignment=strip)
+
+    device_free._jaxrl_device_free = True
+    cache_key._hash_serialized_compile_options = device_free
 
 
 def request_cpu_devices(n: int) -> None:

@@ -13,6 +13,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 # asked for 4, and tests/test_sim.py then counted reshard bytes over 4 devices).
 assert jax.device_count() == 8, jax.devices()
 
+from jaxrl.runtime import enable_compilation_cache  # noqa: E402
+
+# the persistent cache the train runs use (JAXRL_COMPILATION_CACHE_DIR), on from the start: the two xdist
+# workers and the runs they start share what any of them compiled, and on the CPU one executable serves
+# every device group it runs on (a TP1 rollout instance per device compiles each bucket once, not 8 times)
+enable_compilation_cache()
+
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
