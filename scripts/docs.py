@@ -534,6 +534,7 @@ def composition() -> str:
 
 
 _load_module("docs_lora", ROOT / "scripts" / "docs_lora.py").register(renders, load, table, footer, machine)
+_load_module("docs_suite", ROOT / "scripts" / "docs_suite.py").register(renders, load, table, footer, machine)
 
 # ------------------------------------------------------------------------------------------------ pages
 
