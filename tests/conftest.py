@@ -25,13 +25,13 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
-# The slowest files of a serial run (measured, docs/testing.md), longest first: handed out first, so that no
+# The slowest files (scripts/results/suite_time.json's by_file_s), longest first: handed out first, so that no
 # long file starts last and leaves one worker idle at the end. Only an order: a file not listed runs later.
-LONGEST_FIRST = ["test_train_e2e.py", "test_lora_mechanisms.py", "test_tp_switch.py", "test_blockwise.py",
-                 "test_rollout_kv_processes.py", "test_movable_state.py", "test_gpu_check.py",
-                 "test_bench_adaptive_tp.py", "test_forward_block.py", "test_train_step.py", "test_lora.py",
-                 "test_bench_lora.py", "test_heartbeat.py", "test_rollout.py", "test_vocab_padding.py",
-                 "test_pat_processes.py", "test_sim_engine.py", "test_bench_blockwise.py"]
+LONGEST_FIRST = ["test_train_e2e.py", "test_lora_mechanisms.py", "test_blockwise.py", "test_tp_switch.py",
+                 "test_movable_state.py", "test_vocab_padding.py", "test_train_step.py", "test_bench_adaptive_tp.py",
+                 "test_gpu_check.py", "test_lora.py", "test_rollout.py", "test_sim_engine.py", "test_bench_lora.py",
+                 "test_forward_block.py", "test_attention_kernel.py", "test_stream_trainer.py",
+                 "test_pat_processes.py", "test_rollout_kv_processes.py"]
 
 
 @pytest.hookimpl(tryfirst=True)
