@@ -44,12 +44,10 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
 
 def _share_across_devices() -> None:
     """Key CPU executables in the persistent cache without their device assignment (JAX does so for GPU)
-    and without the devices' topology, which on the CPU names the process and the process count: then
-    process 1's TP1 instance loads what process 0 compiled for its own device, and a 2-process run the
-    train step its 1-process twin compiled for the same 8-device mesh (same program, same partitioning;
-    the collectives are the runtime's, in-process or gloo). Checked bit for bit in
-    tests/test_compilation_cache.py; a 2-process tiny train run after its 1-process twin: 35 s -> 17 s,
-    54 -> 20 CPU-s, the same final weights."""
+    and without the devices' topology, which on the CPU names the process and the process count (see the
+    module docstring; tests/test_compilation_cache.py checks the loaded executables bit for bit). The
+    options hash has no devices to look at, so it asks the default backend; the devices hash asks the
+    program's own devices."""
     if getattr(cache_key._hash_serialized_compile_options, "_jaxrl_device_free", False):
         return
     hash_options, hash_devices = cache_key._hash_serialized_compile_options, cache_key._hash_accelerator_config
@@ -59,7 +57,7 @@ def _share_across_devices() -> None:
         return hash_options(hash_obj, compile_options, strip_device_assignment=strip)
 
     def devices(hash_obj, accelerators):
-        if jax.default_backend() == "cpu":
+        if next(iter(accelerators.flat)).platform == "cpu":
             hash_obj.update(f"cpu devices {accelerators.shape}".encode())    # the mesh's shape stays
         else:
             hash_devices(hash_obj, accelerators)
