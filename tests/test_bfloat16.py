@@ -14,7 +14,7 @@ from jaxrl.rollout import SamplingParams, generate
 from jaxrl.train.batch import Sample, pack
 from jaxrl.train.step import LossSpec, make_train_step
 from models import PRESETS, forward, init
-from tests.test_train_e2e import ROOT, _env
+from tests.train_runs import ROOT, _env
 
 CFG = PRESETS["tiny-qwen3"]
 PROMPT_LENS = (3, 9, 16, 17)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.test_train_e2e import ROOT, _env
+from tests.train_runs import ROOT, _env
 
 PRELUDE = textwrap.dedent("""
     import os, sys

@@ -2,8 +2,8 @@
 per-token fields, GAE against a hand-written loop, local rows of global arrays, the Critic's update and
 warm-up, and the config and graph checks of algo.advantage=gae / algo.kl_in_reward.
 
-End-to-end PPO runs (learning on the quickstart task, kill -9 + resume, 2 and 4 processes == 1) are in
-test_train_e2e.py."""
+End-to-end PPO runs (learning on the quickstart task, resume, 2 processes == 1, separate pools) are in
+test_ppo_learns.py, test_train_processes.py and test_train_pools.py."""
 
 import dataclasses
 
@@ -149,7 +149,7 @@ def test_gae_matches_its_definition_and_whitens_over_the_batch():
 def test_local_rows_inverts_process_local_assembly(layout):
     """Also for a computed array laid out otherwise (replicated, or split by columns): it is read on the
     rows' sharding. (Reading a replicated array's addressable rows as this process's is the bug this
-    guards: with 2 processes the second one read the first one's rows; test_train_e2e's PPO runs.)"""
+    guards: with 2 processes the second one read the first one's rows; test_train_processes.py's PPO runs.)"""
     mesh = layout.make_mesh(jax.devices())
     x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
     rows = NamedSharding(mesh, P(("dp", "fsdp"), None))

@@ -1,7 +1,8 @@
 """DistFlow (`jaxrl.flow`): graph checks, the planner, the registry and the databuffer.
 
 End-to-end runs of graphs (the default graph against the trainer it replaced, a custom node by import
-path, several processes with the token-balanced repartition) are in test_train_e2e.py."""
+path) are in test_train_e2e.py; several processes with the token-balanced repartition in
+test_train_processes.py."""
 
 import dataclasses
 import random

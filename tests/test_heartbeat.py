@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl.train.heartbeat import DONE, EXIT_CODE, Heartbeat, lost_message
-from tests.test_train_e2e import ROOT, TINY, _env, _metrics, _params
+from tests.train_runs import ROOT, TINY, _env, _metrics, _params
 
 
 class FakeStore:

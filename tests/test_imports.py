@@ -77,6 +77,8 @@ LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("jaxrl.train.__main__", "main"): "the entry point imports the trainer (optax, orbax, math-verify, "
                                       "matplotlib: ~2 s) after the command line and the start-up checks, so a "
                                       "bad config or path answers at once",
+    ("jaxrl.train.__main__", "local_devices"): "main's device count, called after the start-up checks; "
+                                               "jaxrl.train.distributed imports JAX",
 }
 
 AWAITING_CALLERS: dict[tuple[str, str], str] = {}   # (issue 32: empty since trainer.py calls the owners)

@@ -27,7 +27,7 @@ from sharding import ShardingRules, shardings_for
 from . import test_movable_state as mv
 from . import test_stream_trainer as stt
 from .test_lora import _randomise_b
-from .test_train_e2e import (PARAM_ATOL_F32, POOLS, ROOT, TINY, _checkpoint_leaves, _checkpoint_tree, _env, _metrics,
+from .train_runs import (PARAM_ATOL_F32, POOLS, ROOT, TINY, _checkpoint_leaves, _checkpoint_tree, _env, _metrics,
                              _params, _train, kill_and_resume)
 
 CFG = dataclasses.replace(mv.CFG, lora=LoraConfig(rank=4, alpha=8.0))

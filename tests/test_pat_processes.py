@@ -141,7 +141,7 @@ def test_two_process_train_run_agrees_on_every_switch(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_train_e2e import ROOT, TINY, _env, _metrics
+    from tests.train_runs import ROOT, TINY, _env, _metrics
 
     prof = forcing_profile("large")
     prof.key["devices"] = 4

@@ -12,10 +12,10 @@ import pytest
 from jaxrl.config import train as train_cfg
 from jaxrl.config.base import ConfigError
 from jaxrl.config.loading import load_config
-from tests.test_train_e2e import PARAM_ATOL_F32, ROOT, TINY, _env, _metrics, _params, _train
+from tests.train_runs import PARAM_ATOL_F32, ROOT, TINY, _env, _metrics, _params, _train
 
 ROLLOUT_KV = ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"]
-# eps=1e-3: the two layouts sum gradients in another order (see test_train_e2e.test_processes_equal_one); the
+# eps=1e-3: the two layouts sum gradients in another order (see test_train_processes.test_processes_equal_one); the
 # dense reward gives both steps a gradient (the 0/1 rewards of the tiny model are all 0 at step 0)
 COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
           "rewards.fn=tests.dense_reward:score", *ROLLOUT_KV]

@@ -58,7 +58,7 @@ def test_train_run_switches_and_returns_home(tmp_path):
     migration's page-staging executables compile on first use of each page-count bucket)."""
     import json
 
-    from tests.test_train_e2e import _metrics, _train
+    from tests.train_runs import _metrics, _train
 
     prof = forcing_profile("large")
     prof.key["devices"] = 8

@@ -2,8 +2,8 @@
 function; start-up errors as one line before the run directory exists; resume against a changed config;
 a run that dies before its first RL step; the bundled 0.6B recipe at a tiny size (bfloat16).
 
-The full runs are real processes (like tests/test_train_e2e.py); the start-up errors call `main()` in
-this process, since they stop before JAX is asked for devices.
+The full runs are real processes (like the kill/resume runs of tests/test_train_resume.py); the start-up
+errors call `main()` in this process, since they stop before JAX is asked for devices.
 """
 
 import json

@@ -123,7 +123,7 @@ RECIPE_HEADER = """# Every mechanism that composes, in one run at quickstart siz
 
 
 # Its disaggregated, one-step-async variant (configs/all_mechanisms_async.yaml): one process (to keep CI's
-# run small; async composes with 2 processes, tests/test_train_e2e.py), 4 train devices beside 2 generation
+# run small; async composes with 2 processes, tests/test_train_processes.py), 4 train devices beside 2 generation
 # instances; the rollout side (tail batching's rounds, dynamic sampling's waves, skew placement, the
 # planner's layout) runs one step ahead of the update.
 RECIPE_ASYNC = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "async")

@@ -55,6 +55,18 @@ def _flags(argv: list[str]) -> tuple[list[str], str]:
     return out, resume
 
 
+def local_devices(cfg: TrainConfig) -> int:
+    """The devices each process of the run uses: the rollout instances' (colocated: shared with its part of
+    the train mesh), or StreamRL's generation pool (+ spare groups) beside its part of the train pool."""
+    from jaxrl.train.distributed import settings
+
+    _, n_proc, _ = settings(cfg.distributed)
+    if cfg.placement == "disaggregated":
+        gen = cfg.engine.tp * (cfg.stage_balance.max_instances or cfg.engine.instances)
+        return gen + cfg.train_layout.num_devices // n_proc
+    return max(cfg.engine.tp * cfg.engine.instances, cfg.train_layout.num_devices // n_proc)
+
+
 def main(argv: list[str] | None = None) -> int:
     start, raw = time.perf_counter(), list(sys.argv[1:] if argv is None else argv)
     argv, resume = _flags(raw)
@@ -72,14 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):      # orbax logs every save at INFO through absl
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from jaxrl.train.distributed import initialize, settings
+    from jaxrl.train.distributed import initialize
 
-    _, n_proc, _ = settings(cfg.distributed)
-    local = max(cfg.engine.tp * cfg.engine.instances, cfg.train_layout.num_devices // n_proc)
-    if cfg.placement == "disaggregated":     # StreamRL: the generation pool (+ spare groups) beside the train pool
-        gen = cfg.engine.tp * (cfg.stage_balance.max_instances or cfg.engine.instances)
-        local = gen + cfg.train_layout.num_devices // n_proc
-    initialize(cfg.distributed, local)
+    initialize(cfg.distributed, local_devices(cfg))
     from jaxrl.train.heartbeat import Heartbeat
 
     heartbeat = Heartbeat.start(timeout_s=cfg.distributed.heartbeat_timeout, run_dir=cfg.run_dir)  # (None: 1 process)

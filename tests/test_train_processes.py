@@ -1,0 +1,146 @@
+"""Several processes (jax.distributed on localhost, `scripts/launch_local.sh`) == 1 process: DistFlow's
+token repartition, PPO's critic, the disaggregated pools, the all-mechanisms recipes; PPO's resume and its
+blockwise backward against the shared 1-process PPO run."""
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.train_runs import (COMMON, MODES, PARAM_ATOL_F32, POOLS, PPO, ROLLOUT_KEYS, ROOT, TINY, WARM_SKEW,
+                              _checkpoint_leaves, _env, _metrics, _one_process, _params, _train)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
+    """N processes == 1, the samples repartitioned by tokens across processes by the DistFlow databuffer before
+    packing (trainer.repartition=tokens: samples cross processes on the devices; in the 1-process run the
+    repartition is the fast path, nothing to move). four_balanced: 4 processes on tail batching's rounds
+    agree on every round's accepted prompts and the queue (the race is decided on lengths, the queue is
+    global) and, with DAPO dynamic sampling, on the dropped groups and the waves. ppo_two_balanced: the
+    critic, GAE and the reward's KL on 2 processes."""
+    extra, procs = MODES[mode]
+    # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
+    # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
+    # a sign there), amplifying that noise to ~1e-5; eps=1e-3 (COMMON; the critic's too) keeps the update
+    # continuous in the gradient, so "within float tolerance" is what is actually compared.
+    one, many = _one_process(tmp_path_factory, extra), tmp_path / "many"
+    cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(procs), sys.executable, "-m", "jaxrl.train",
+           f"run_dir={many}", *TINY, *COMMON, *extra, f"engine.instances={8 // procs}"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    m1, m2 = _metrics(one), _metrics(many)
+    keys = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate", "flow/samples"]
+    if "dynamic_sampling" in " ".join(extra):
+        keys += ["tail/long_round", "tail/queue_len", "tail/queued", "tail/prompts_trained", "tail/aborted_responses",
+                 "tail/wasted_tokens", "tail/dropped_groups", "tail/waves", "tail/batch_short", "tail/prompts_launched"]
+        assert sum(r["tail/dropped_groups"] for r in m1) > 0 and max(r["tail/waves"] for r in m1) == 2
+    if mode.endswith("balanced"):
+        packed = [r for r in m2 if "flow/padding_local" in r]       # (a step whose groups were all dropped packs nothing)
+        assert sum(r["flow/bytes_moved"] for r in packed) > 0
+        assert all(r["flow/padding_balanced"] <= r["flow/padding_local"] for r in packed)
+    for k in keys:
+        assert [r[k] for r in m1] == [r[k] for r in m2], k      # the same rollouts
+    if mode.startswith("ppo"):     # the critic (weights in the last checkpoint) and the reward's KL agree too
+        assert m1[2]["critic/value_mean"] != 0.0 and m1[2]["reward_kl"] > 0 and m1[1]["critic/vf_loss"] > 0
+        for k in ("critic/vf_loss", "critic/value_mean", "critic/returns_mean", "reward_kl"):
+            assert [r[k] for r in m2] == pytest.approx([r[k] for r in m1], rel=1e-4), k
+        for a, b in zip(_checkpoint_leaves(one, "critic"), _checkpoint_leaves(many, "critic")):
+            np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+    for a, b in zip(_params(one), _params(many)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+def test_ppo_resume_restores_the_critic(tmp_path, tmp_path_factory):
+    """PPO's run directory resumed from checkpoint 2 (policy, reference and the critic's weights and AdamW
+    state) trains step 2 exactly as the uninterrupted run did: the same policy weights bit for bit and the
+    same critic metrics (a critic restarted from the policy would give other values and value loss)."""
+    one = _one_process(tmp_path_factory, PPO)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(one / "config.yaml", resumed / "config.yaml")
+    shutil.copytree(one / "checkpoints" / "2", resumed / "checkpoints" / "2")
+    out = _train(resumed, *COMMON, *PPO, "engine.instances=8", "save_every=1")
+    assert "resumed" in out.stdout + out.stderr
+    want, got = _metrics(one)[2], _metrics(resumed)
+    assert len(got) == 1 and got[0]["step"] == 2 and want["critic/value_mean"] != 0.0
+    for key in ("reward_mean", "loss", "reward_kl", "critic/vf_loss", "critic/value_mean", "critic/explained_var"):
+        assert got[0][key] == want[key], key
+    for a, b in zip(_params(one), _params(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ppo_with_the_blockwise_backward_matches_the_full_one(tmp_path, tmp_path_factory):
+    """PPO (GAE critic, KL in the reward) with the policy's MetroRLHF blockwise backward (blocks of 16,
+    recomputed K/V): the shared full-backward run's rollouts exactly and its policy and critic metrics
+    within float32 rounding (the critic keeps the full backward; only the policy's gradient sums differ
+    in summation order)."""
+    want = _metrics(_one_process(tmp_path_factory, PPO))
+    _train(tmp_path, *COMMON, *PPO, "engine.instances=8", "save_every=null", "trainer.backward=blockwise",
+           "trainer.block_size=16")
+    got = _metrics(tmp_path)
+    assert len(got) == len(want)
+    for row, ref in zip(got, want):
+        assert row["blockwise/blocks"] > 0
+        for k in ("reward_mean", "response_len_mean"):
+            assert row[k] == ref[k], k
+        for k in ("loss", "grad_norm", "reward_kl", "critic/vf_loss", "critic/value_mean"):
+            np.testing.assert_allclose(row[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+@pytest.mark.processes
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
+    """Each of 2 processes gives 2 devices to the shared fsdp=4 train mesh and 2 to its own generation
+    instances; the weights reach the instances by the cross-process on-device reshard. Same rollouts and,
+    within float tolerance, the same weights as one process with 4 + 4 devices (which streams its groups'
+    gradients during the rollout; two processes train after it). async: one-step-async on both, the next
+    rollout's agreements between the processes (key-value store) running while the update's device
+    collectives run on the train pool's thread."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated",
+              f"trainer.async_steps={int(asynchronous)}"]
+    _train(one, *common)
+    cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
+           *TINY, *common, "engine.instances=2"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    m1, m2 = _metrics(one), _metrics(two)
+    for key in ROLLOUT_KEYS:
+        assert [r[key] for r in m1] == [r[key] for r in m2], key
+    assert {r["placement/train_devices"] for r in m2} == {4} and {r["placement/gen_devices"] for r in m2} == {2}
+    if asynchronous:         # step 1 trained on a rollout of the weights one step behind
+        assert [r["placement/staleness"] for r in m2] == [0, 1]
+    for a, b in zip(_params(one), _params(two)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+
+@pytest.mark.processes
+def test_all_mechanisms_recipes_run(tmp_path):
+    """configs/all_mechanisms.yaml (2 processes: tail batching + dynamic sampling, skew placement, the planner,
+    the blockwise backward, token repartition) and its disaggregated one-step-async variant, at the tiny size,
+    side by side: every mechanism's metrics show that it acted. The length ranker starts from the committed
+    quickstart's pairs (its warm start), so skew placement is live from step 0. (That the recipe learns is
+    measured at quickstart size by scripts/bench_recipes.py, not here.)"""
+    two, asy = tmp_path / "two", tmp_path / "async"
+    small = [*TINY, "steps=3", "save_every=null", "export_hf=false", *WARM_SKEW[1:]]
+    procs = [subprocess.Popen([str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train",
+                               "--config", str(ROOT / "configs" / "all_mechanisms.yaml"), f"run_dir={two}", *small],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen([sys.executable, "-m", "jaxrl.train", "--config",
+                               str(ROOT / "configs" / "all_mechanisms_async.yaml"), f"run_dir={asy}", *small],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    for p in procs:
+        out = p.communicate(timeout=900)[0]
+        assert p.returncode == 0, out[-6000:]
+    for run in (two, asy):
+        rows = _metrics(run)
+        assert len(rows) == 3
+        assert all(r["tail/waves"] >= 1 and r["tail/prompts_launched"] >= 8 for r in rows)            # tail batching
+        assert sum(r["tail/dropped_groups"] for r in rows) > 0                                    # dynamic sampling
+        assert all(r["skew/active"] == 1 and r["skew/long_prompts"] > 0 for r in rows)              # skew placement
+        assert rows[0]["preemptions"] > 0 and rows[-1]["planner/tp"] == 2                            # the planner
+        assert all(r["blockwise/blocks"] > 0 for r in rows if r["flow/samples"])                      # MetroRLHF
+        assert all("flow/padding_balanced" in r for r in rows if r["flow/samples"])                   # DistFlow
+    assert [r["placement/staleness"] for r in _metrics(asy)] == [0, 1, 1]

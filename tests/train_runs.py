@@ -1,0 +1,211 @@
+"""Shared by the train-run tests: the tiny settings, how a run is started and how its outputs are read.
+
+`_train` runs `python -m jaxrl.train`'s `main()` in this process when the run uses the test worker's 8 fake
+devices (the imports and the executables earlier runs in this worker built are reused), else as a fresh
+process with the run's own device count. A run that must be a real process (killed with SIGKILL, several
+processes, its own environment) goes through `_train_subprocess` or `scripts/launch_local.sh`.
+"""
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from models import load_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=8", "algo.group_size=4",
+        "rollout.max_new_tokens=12", "data.num_examples=400", "rewards.num_workers=0", "engine.max_batch=32",
+        "engine.max_seq_len=128", "data.max_prompt_len=96",
+        "trainer.warmup=false"]   # 1-3 step runs use few shapes; the quickstart test covers the warm-up
+PARAM_ATOL_F32 = 1e-5
+DEFAULT_OPT = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}   # XLA's default optimisation level (tests/conftest.py)
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+@dataclasses.dataclass
+class Finished:
+    """A finished run's output (what it printed; its progress bars and log lines included)."""
+    stdout: str
+    stderr: str
+
+
+def _in_this_process(args) -> bool:
+    """Whether a run of `args` (TINY included) uses exactly this process's devices. A run that needs fewer
+    starts a fresh process with that many: XLA:CPU rounds some reductions differently with another device
+    count in the process (measured: the default 1-device run's step-0 gradient norm 1.23e-9 in a 1- or
+    2-device process, 2.26e-9 in an 8-device one), and the goldens and kill/resume twins compare bits."""
+    from jaxrl.config import CONFIGS_DIR, load_config
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.train.__main__ import _flags, local_devices
+
+    argv, _ = _flags(list(args))
+    if any(a.startswith("--") for a in argv):
+        return False
+    return local_devices(load_config(TrainConfig, argv, CONFIGS_DIR / "quickstart.yaml")) == jax.local_device_count()
+
+
+def _train(run_dir, *extra, timeout=600, env=None):
+    """`python -m jaxrl.train run_dir=RUN_DIR TINY... EXTRA...` to completion: in this process when the run
+    uses all its devices (`_in_this_process`) and `env` adds no environment variables, else in a fresh one."""
+    args = [f"run_dir={run_dir}", *TINY, *extra]
+    if env is not None or not _in_this_process(args):
+        return _train_subprocess(run_dir, *extra, timeout=timeout, env=env)
+    from jaxrl.train.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    except SystemExit as e:
+        code = e.code
+    assert code == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
+    return Finished(out.getvalue(), err.getvalue())
+
+
+def _train_subprocess(run_dir, *extra, timeout=600, env=None):
+    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={run_dir}", *TINY, *extra]
+    p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def _train_together(*runs, timeout=600):
+    """`_train` for each (run_dir, *extra): the fresh processes started first and run while the runs that
+    fit this process run here, one after the other."""
+    here = [r for r in runs if _in_this_process([f"run_dir={r[0]}", *TINY, *r[1:]])]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train", f"run_dir={d}", *TINY, *extra], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for d, *extra in runs if (d, *extra) not in here]
+    for d, *extra in here:
+        _train(d, *extra)
+    for p in procs:
+        out = p.communicate(timeout=timeout)[0]
+        assert p.returncode == 0, out[-6000:]
+
+
+def _params(run_dir):
+    return [np.asarray(x) for x in jax.tree.leaves(load_hf(Path(run_dir) / "hf")[1])]
+
+
+def _checkpoint_tree(run_dir):
+    """A run's newest checkpoint state as saved (nested dicts of numpy arrays)."""
+    import orbax.checkpoint as ocp
+
+    step = max(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
+    path = Path(run_dir) / "checkpoints" / str(step) / "state"
+    ckpt = ocp.PyTreeCheckpointer()
+    tree = ckpt.metadata(path)
+    tree = getattr(tree, "item_metadata", tree)
+    tree = getattr(tree, "tree", tree)
+    return ckpt.restore(path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+
+
+def _checkpoint_leaves(run_dir, key):
+    """The arrays of `key` (e.g. "critic": its params and AdamW state) in a run's newest checkpoint."""
+    return jax.tree.leaves(_checkpoint_tree(run_dir)[key])
+
+
+def _same_weights(ref, *runs):
+    """Each run's final weights equal `ref`'s within PARAM_ATOL_F32."""
+    want = _params(ref)
+    for run in runs:
+        for a, b in zip(want, _params(run)):
+            np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# Tail batching (RollPacker) with eta_prompts 1.5: 12 prompts drawn, 8 trained, 4 queued per short round, so
+# steps 0, 1 are short rounds, step 2 a long one (the 8 queued prompts), step 3 short again.
+TAIL = ["rollout.tail_batching.enabled=true", "rollout.tail_batching.eta_prompts=1.5"]
+TAIL_KINDS = [0, 0, 1, 0]
+
+
+# StreamRL: 4 generation devices beside a 4-device train mesh; 2-row micro-batches so groups stream during the
+# rollout. The colocated twin runs the same instances and train layout on 4 shared devices.
+POOLS = ["engine.instances=4", "train_layout.fsdp=4", "trainer.micro_batch_tokens=256", "optim.eps=1e-3",
+         "warm_start.optim.eps=1e-3"]
+ROLLOUT_KEYS = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate"]
+
+# StreamRL skew-aware placement over 4 instances, the length ranker refreshed every step (tiny sizes).
+SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4", "rollout.skew.ranker.train_steps=20",
+        "rollout.skew.ranker.refresh_every=1",
+        "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16"]
+
+
+def kill_and_resume(full, killed, args):
+    """`args` run uninterrupted in `full` and, alongside (two processes: both cores compile), in `killed`, which
+    is killed (SIGKILL) once checkpoint 2 exists and then resumed by the same command: the final weights must
+    be bit-identical."""
+    cmd = [sys.executable, "-m", "jaxrl.train", *TINY, *args]
+    whole = subprocess.Popen([*cmd, f"run_dir={full}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen([*cmd, f"run_dir={killed}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "2").exists():
+        assert p.poll() is None and time.time() < deadline, "run ended or stalled before step 2 was saved"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    log = whole.communicate(timeout=600)[0]
+    assert whole.returncode == 0, log[-3000:]
+    assert not (killed / "hf").exists()
+    out = _train_subprocess(killed, *args)       # (as the twin ran: same device count)
+    assert "resumed" in out.stdout + out.stderr
+    for a, b in zip(_params(full), _params(killed)):
+        np.testing.assert_array_equal(a, b)
+
+
+DYNAMIC = ["rollout.tail_batching.dynamic_sampling=true", "rollout.tail_batching.max_waves=2"]
+# Skew placement live from step 0: the length ranker warm-started from the committed quickstart's pairs.
+WARM_SKEW = ["rollout.skew.enabled=true", "rollout.skew.ranker.train_steps=20", "rollout.skew.ranker.d_model=32",
+             "rollout.skew.ranker.batch=16",
+             f"rollout.skew.ranker.pairs={ROOT / 'scripts' / 'results' / 'quickstart_length_pairs.jsonl'}"]
+
+
+# 1 process vs N: (extra settings, N). Dynamic sampling runs on tail batching's rounds (steps 0, 1 short, step 2
+# the long round), so it covers both mechanisms' global agreement.
+# PPO (the `ppo` graph): a critic, GAE, the KL to the reference in the token rewards (node reward_kl), and a
+# dense reward (the tiny policy's 0/1 rewards would be ~all 0: advantages of float noise). Step 0 has no KL
+# yet (policy == reference) and the critic's first values are 0, so step 2 is the first where all of it is
+# live. The 1-process runs save every step: test_ppo_resume_restores_the_critic resumes from checkpoint 2.
+PPO = ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "steps=3",
+       "rewards.fn=tests.dense_reward:score"]
+# GRPO: 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is the
+# same chain of nodes), repartitioned by tokens; PPO on 2 processes, also repartitioned. Each shares its
+# 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
+MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
+         "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2)}
+COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
+          "critic.optim.eps=1e-3"]
+_ONE_PROCESS_RUNS = {}
+
+
+def _one_process(tmp_path_factory, extra):
+    """The 1-process x 8-device run of `COMMON + extra` (without the repartition, which has nothing to move
+    in one process), run once per session and shared by the tests that compare against it."""
+    key = tuple(COMMON + [x for x in extra if x != "trainer.repartition=tokens"])
+    if key not in _ONE_PROCESS_RUNS:
+        _ONE_PROCESS_RUNS[key] = tmp_path_factory.mktemp("one")
+        _train(_ONE_PROCESS_RUNS[key], *key, "engine.instances=8", "save_every=1")
+    return _ONE_PROCESS_RUNS[key]
+
