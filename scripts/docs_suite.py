@@ -23,11 +23,21 @@ def register(renders, load, table, footer, machine):
                 f"in all, {d['cores_busy']:.2f} cores busy on average.")
         files = list(d["by_file_s"].items())[:12]
         rest = sum(list(d["by_file_s"].values())[12:])
-        by_file = table(["test file", "time (all its phases)", "share"], "lrr",
-                        [[f"`{f}`", _clock(s), f"{100 * s / d['phases_s']:.0f}%"] for f, s in files]
+        cpu = d.get("cpu_by_file_s", {})            # (runs before the per-test CPU count have none)
+        cpu_rest = sum(v for f, v in cpu.items() if f not in dict(files))
+        cols = ["test file", "time (all its phases)", "share"] + ["CPU"] * bool(cpu)
+        by_file = table(cols, "lrr" + "r" * bool(cpu),
+                        [[f"`{f}`", _clock(s), f"{100 * s / d['phases_s']:.0f}%"] + [_clock(cpu.get(f, 0))] * bool(cpu)
+                         for f, s in files]
                         + [[f"{len(d['by_file_s']) - len(files)} other files", _clock(rest),
-                            f"{100 * rest / d['phases_s']:.0f}%"]])
+                            f"{100 * rest / d['phases_s']:.0f}%"] + [_clock(cpu_rest)] * bool(cpu)])
         slowest = table(["phase", "test", "s"], "llr",
                         [[x["phase"], f"`{x['test']}`", f"{x['s']:.1f}"] for x in d["slowest"][:10]])
-        return "\n\n".join([head, by_file, "The 10 slowest phases (a phase's time is wall time on a worker that "
-                            "shares the 2 cores with the other):", slowest, footer(SUITE)])
+        parts = [head, by_file, "The 10 slowest phases (a phase's time is wall time on a worker that "
+                 "shares the 2 cores with the other):", slowest]
+        if cpu:      # tests/conftest.py: each test's CPU seconds (its worker's and the processes it waited for)
+            parts += [f"The 10 tests that used the most CPU ({d['tests_cpu_s'] / 60:.0f} CPU-min in all tests; a "
+                      "test's own process and the processes it started):",
+                      table(["test", "CPU s"], "lr", [[f"`{x['test']}`", f"{x['cpu_s']:.1f}"]
+                                                      for x in d["cpu_slowest"][:10]])]
+        return "\n\n".join(parts + [footer(SUITE)])

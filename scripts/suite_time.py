@@ -30,6 +30,7 @@ OUT = ROOT / "scripts" / "results" / "suite_time.json"
 OUTPUTS = ("suite_time.json",)       # its files in scripts/results/ (tests/test_docs.py)
 BUDGET_S = 20 * 60                   # issue 33: the whole suite in 20 minutes on 2 cores, empty cache
 DURATION = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+CPU = re.compile(r"^\s*([0-9.]+)s cpu\s+(\S+)")       # tests/conftest.py's "most CPU" list
 SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|error).*) in ([0-9.]+)s")
 COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
@@ -42,20 +43,27 @@ def machine() -> dict:
 
 
 def parse(log: str) -> dict:
-    """Counts, pytest's time, slowest phases and per-file totals from a pytest log with --durations=0."""
+    """Counts, pytest's time, slowest phases, per-file totals and each test's CPU seconds from a pytest log
+    with --durations=0."""
     phases = [(float(m.group(1)), m.group(2), m.group(3)) for m in map(DURATION.match, log.splitlines()) if m]
     summary = [m for m in map(SUMMARY.search, log.splitlines()) if m]
     if not summary:
         raise SystemExit("no pytest summary line in the log: the run did not finish")
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
               for n, kind in COUNT.findall(summary[-1].group(1))}
-    by_file = collections.Counter()
+    by_file, cpu_by_file = collections.Counter(), collections.Counter()
     for s, _, node in phases:
         by_file[node.split("::")[0]] += s
+    cpu = [(float(m.group(1)), m.group(2)) for m in map(CPU.match, log.splitlines()) if m]
+    for s, node in cpu:
+        cpu_by_file[node.split("::")[0]] += s
+    ranked = lambda c: dict(sorted(((f, round(s, 2)) for f, s in c.items()), key=lambda kv: -kv[1]))  # noqa: E731
     return {"counts": counts, "pytest_s": float(summary[-1].group(2)),
             "slowest": [{"s": s, "phase": when, "test": node} for s, when, node in sorted(phases, reverse=True)[:25]],
-            "by_file_s": dict(sorted(((f, round(s, 2)) for f, s in by_file.items()), key=lambda kv: -kv[1])),
-            "phases_s": round(sum(s for s, _, _ in phases), 2)}
+            "by_file_s": ranked(by_file), "phases_s": round(sum(s for s, _, _ in phases), 2),
+            # CPU seconds per test (tests/conftest.py: the worker's and the processes it waited for)
+            "cpu_slowest": [{"cpu_s": s, "test": node} for s, node in sorted(cpu, reverse=True)[:25]],
+            "cpu_by_file_s": ranked(cpu_by_file), "tests_cpu_s": round(sum(s for s, _ in cpu), 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

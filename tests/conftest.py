@@ -27,18 +27,19 @@ from jaxrl.runtime import enable_compilation_cache  # noqa: E402
 enable_compilation_cache()
 
 import gc  # noqa: E402
+import resource  # noqa: E402
 
 import pytest  # noqa: E402
 
 
 # The slowest files (scripts/results/suite_time.json's by_file_s), longest first: handed out first, so that no
 # long file starts last and leaves one worker idle at the end. Only an order: a file not listed runs later.
-LONGEST_FIRST = ["test_train_processes.py", "test_lora_mechanisms.py", "test_blockwise.py", "test_train_pools.py",
-                 "test_train_resume.py", "test_ppo_learns.py", "test_tp_switch.py", "test_train_e2e.py",
-                 "test_movable_state.py", "test_vocab_padding.py", "test_train_step.py", "test_bench_adaptive_tp.py",
-                 "test_gpu_check.py", "test_lora.py", "test_rollout.py", "test_sim_engine.py", "test_bench_lora.py",
-                 "test_forward_block.py", "test_attention_kernel.py", "test_stream_trainer.py",
-                 "test_pat_processes.py", "test_rollout_kv_processes.py"]
+LONGEST_FIRST = ["test_train_e2e.py", "test_train_processes.py", "test_train_pools.py", "test_blockwise.py",
+                 "test_lora_mechanisms.py", "test_train_resume.py", "test_tp_switch.py", "test_lora.py",
+                 "test_train_step.py", "test_bench_adaptive_tp.py", "test_forward_block.py",
+                 "test_rollout_kv_processes.py", "test_rollout.py", "test_movable_state.py", "test_vocab_padding.py",
+                 "test_sim_engine.py", "test_gpu_check.py", "test_bench_lora.py", "test_pat_processes.py",
+                 "test_tail_batching.py", "test_heartbeat.py", "test_stream_trainer.py"]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -70,3 +71,43 @@ def _release_executables():
         CACHE.clear()
         jax.clear_caches()
         gc.collect()
+
+
+# CPU seconds per test: this process's threads and every process the test started and waited for (its train
+# runs, launch_local's processes). On two workers sharing two cores a test's wall time depends on what the other
+# worker runs at the time; its CPU time does not. Listed at the end of a run ("most CPU"), longest first, as
+# many as --durations asks (0: all), and read by scripts/suite_time.py.
+_CPU_START: dict[str, float] = {}
+_CPU_BY_TEST: dict[str, float] = {}
+
+
+def _cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _CPU_START[nodeid] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and item.nodeid in _CPU_START:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_s() - _CPU_START.pop(item.nodeid)))
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_s" and report.when == "teardown":     # (on the xdist controller: the workers' figures)
+            _CPU_BY_TEST[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU_BY_TEST:
+        return
+    tr, n = terminalreporter, terminalreporter.config.option.durations
+    n = n or len(_CPU_BY_TEST) if n is not None else 25
+    tr.write_sep("=", f"most CPU ({n} tests; {sum(_CPU_BY_TEST.values()) / 60:.1f} CPU-min in all tests)")
+    for nodeid, cpu in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:n]:
+        tr.write_line(f"{cpu:8.1f}s cpu  {nodeid}")

@@ -3,7 +3,7 @@ per-token fields, GAE against a hand-written loop, local rows of global arrays, 
 warm-up, and the config and graph checks of algo.advantage=gae / algo.kl_in_reward.
 
 End-to-end PPO runs (learning on the quickstart task, resume, 2 processes == 1, separate pools) are in
-test_ppo_learns.py, test_train_processes.py and test_train_pools.py."""
+test_train_e2e.py, test_train_processes.py and test_train_pools.py."""
 
 import dataclasses
 

@@ -27,8 +27,8 @@ from sharding import ShardingRules, shardings_for
 from . import test_movable_state as mv
 from . import test_stream_trainer as stt
 from .test_lora import _randomise_b
-from .train_runs import (PARAM_ATOL_F32, POOLS, ROOT, TINY, _checkpoint_leaves, _checkpoint_tree, _env, _metrics,
-                             _params, _train, kill_and_resume)
+from .train_runs import (DEFAULT_OPT, PARAM_ATOL_F32, POOLS, ROOT, TINY, _checkpoint_leaves, _checkpoint_tree, _env,
+                         _metrics, _params, _train, kill_and_resume)
 
 CFG = dataclasses.replace(mv.CFG, lora=LoraConfig(rank=4, alpha=8.0))
 # Streamed vs synchronous adapter gradient (relative, global norm, float32). The full-parameter twin's bound is
@@ -90,10 +90,12 @@ LORA_RUN = ["model.lora.rank=4", "model.lora.alpha=8", "algo.kl_coef=0.05", *POO
 
 def test_lora_run_kill_and_resume_is_bit_identical(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    kill_and_resume(full, killed, ["steps=4", "save_every=1", *LORA_RUN])
+    kill_and_resume(full, killed, ["steps=4", "save_every=1", *LORA_RUN], env=DEFAULT_OPT)
     rows = _metrics(full)
     assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in _metrics(killed)]
-    # the reference is the base: at step 0 (B = 0) the policy is the base exactly, so the KL is 0, then not
+    # the reference is the base: at step 0 (B = 0) the policy is the base exactly, so the KL is 0, then not.
+    # (Exactly 0 at XLA's default level, where the policy's and the base's log-probs round alike; at level 0
+    # (tests/conftest.py) they differ in the last bits: KL 6.8e-16.)
     assert rows[0]["kl"] == 0.0 and any(r["kl"] > 0 for r in rows[1:])
     # only the adapters move into the 4 rollout instances
     assert all(r["sync_bytes"] > 0 for r in rows)

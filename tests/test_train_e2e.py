@@ -1,7 +1,7 @@
 """End-to-end runs of `python -m jaxrl.train` (CPU, tiny settings; in the test worker's process, see
 tests/train_runs.py): the run directory (metrics.jsonl, tb/, checkpoints/, hf/) and the default graph against
 its golden record, a user's graph node, the quickstart recipe against its golden metrics, the planner, and
-dynamic sampling with no signal. Kill -9 and resume: test_train_resume.py; several processes:
+dynamic sampling with no signal; PPO learning on the quickstart task. Kill -9 and resume: test_train_resume.py; several processes:
 test_train_processes.py; separate pools, the stream trainer, one-step-async: test_train_pools.py."""
 
 import hashlib
@@ -71,6 +71,24 @@ def test_custom_graph_node_by_import_path(tmp_path):
     row = _metrics(tmp_path / "run")[0]
     assert (row["flow/samples"], row["my/kept_groups"]) == (4, 1)
     assert row["reward/items"] == 32
+
+def test_ppo_learns_on_the_quickstart_task(tmp_path):
+    """The `ppo` graph on the quickstart recipe (its warm start, task mix and 0/1 rewards; 16 prompts a step,
+    40 steps): the reward rises and the critic learns to predict the returns. Measured: mean reward 0.121
+    over steps 0-9 -> 0.161 over steps 30-39; the full 250-step quickstart in the README. At XLA's default
+    level, as the quickstart tests after it: they load the policy's executables it compiled (and at level 0
+    its 40 steps ran slower: 281 s against 244 s in the suite)."""
+    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "algo.advantage=gae", "steps=40",
+           "algo.prompts_per_step=16", "save_every=null", "export_hf=false"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **DEFAULT_OPT}, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    first, last = rows[:10], rows[-10:]
+    mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
+    assert mean(last, "reward_mean") > mean(first, "reward_mean") + 0.03
+    assert mean(last, "critic/explained_var") > 0.1 > mean(first, "critic/explained_var")
+    assert sum(r["compiles"] for r in rows[1:]) == 0           # nothing compiled after the first step
+
 
 BACKWARD = {"full": [],
             # MetroRLHF, blocks of 48 over 160-token rows (padded to 192): the same metrics as the full backward.

@@ -151,14 +151,14 @@ SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4"
         "rollout.skew.ranker.d_model=32", "rollout.skew.ranker.batch=16"]
 
 
-def kill_and_resume(full, killed, args):
+def kill_and_resume(full, killed, args, env=None):
     """`args` run uninterrupted in `full` and, alongside (two processes: both cores compile), in `killed`, which
     is killed (SIGKILL) once checkpoint 2 exists and then resumed by the same command: the final weights must
-    be bit-identical."""
-    cmd = [sys.executable, "-m", "jaxrl.train", *TINY, *args]
-    whole = subprocess.Popen([*cmd, f"run_dir={full}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    be bit-identical. `env`: environment variables added for all three."""
+    cmd, env = [sys.executable, "-m", "jaxrl.train", *TINY, *args], {**_env(), **(env or {})}
+    whole = subprocess.Popen([*cmd, f"run_dir={full}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    p = subprocess.Popen([*cmd, f"run_dir={killed}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+    p = subprocess.Popen([*cmd, f"run_dir={killed}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "2").exists():
@@ -169,7 +169,7 @@ def kill_and_resume(full, killed, args):
     log = whole.communicate(timeout=600)[0]
     assert whole.returncode == 0, log[-3000:]
     assert not (killed / "hf").exists()
-    out = _train_subprocess(killed, *args)       # (as the twin ran: same device count)
+    out = _train_subprocess(killed, *args, env=env)     # (as the twin ran: same device count)
     assert "resumed" in out.stdout + out.stderr
     for a, b in zip(_params(full), _params(killed)):
         np.testing.assert_array_equal(a, b)
