@@ -70,6 +70,7 @@ ROOT_PACKAGE = "jaxrl"                   # its __init__ is a docstring: below ev
 LAZY_THIRD_PARTY: dict[str, str] = {
     "matplotlib": "~0.9 s to import (pyplot); only the figure-writing functions (PAT profile, simulator report) use it",
     "pyarrow": "~0.5 s to import; only a Parquet dataset needs it",
+    "math_verify": "~0.5 s to import (SymPy, latex2sympy2); only the math reward uses it",
 }
 
 # (module, function) -> why an import there stays inside the function.

@@ -21,10 +21,9 @@ helper thread) the internal timeouts are switched off rather than raising.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +31,19 @@ logger = logging.getLogger(__name__)
 # default 5 s hard timeout so a pathological expression usually ends as a 0, not a killed worker.
 INTERNAL_TIMEOUT_S = 2
 
-_GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
-# boxed_match_priority=0: a \boxed{} answer beats every other pattern (math-verify's default is 50,
-# i.e. after "final answer is" patterns).
-_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
 _DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+
+
+@functools.cache
+def _math_verify():
+    """(math_verify, gold extraction config, response extraction config), imported at the first use: the
+    import pulls SymPy and latex2sympy2 (~0.5 s), which every process that never scores math would pay.
+    boxed_match_priority=0 for responses: a \\boxed{} answer beats every other pattern (math-verify's default
+    is 50, i.e. after "final answer is" patterns)."""
+    import math_verify as mv
+
+    return (mv, (mv.LatexExtractionConfig(), mv.ExprExtractionConfig()),
+            (mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()))
 
 
 def _internal_timeout() -> int | None:
@@ -48,12 +55,14 @@ def parse_gold(answer: str, *, timeout_s: int | None = None) -> list:
     text = answer.strip()
     if not any(d in text for d in _DELIMITERS):
         text = f"${text}$"
-    return parse(text, extraction_config=_GOLD_CONFIG, parsing_timeout=timeout_s)
+    mv, gold, _ = _math_verify()
+    return mv.parse(text, extraction_config=gold, parsing_timeout=timeout_s)
 
 
 def parse_response(response: str, *, timeout_s: int | None = None) -> list:
     """Extract the final answer from a model response: `\\boxed{}` first, else math-verify's patterns."""
-    return parse(response, extraction_config=_PRED_CONFIG, parsing_timeout=timeout_s)
+    mv, _, pred = _math_verify()
+    return mv.parse(response, extraction_config=pred, parsing_timeout=timeout_s)
 
 
 def math_reward(response: str, answer: str) -> float:
@@ -71,7 +80,7 @@ def math_reward(response: str, answer: str) -> float:
         pred = parse_response(response, timeout_s=t)
         if not pred:
             return 0.0
-        return 1.0 if verify(gold, pred, timeout_seconds=t) else 0.0
+        return 1.0 if _math_verify()[0].verify(gold, pred, timeout_seconds=t) else 0.0
     except Exception:  # math-verify/SymPy can raise on odd input; a reward is never an exception
         logger.debug("math_reward failed", exc_info=True)
         return 0.0
