@@ -5,8 +5,9 @@ environment, an empty persistent compilation cache (what a fresh CI machine sees
     scripts/venv.sh python scripts/suite_time.py --warm DIR    # reuse compilation cache DIR instead
 
 Writes scripts/results/suite_time.json: wall time (venv install included) and pytest's own time, the CPU time
-of everything the run started (so the cores kept busy), pass/fail counts, the 25 slowest test phases and
-the time per test file (every phase's duration: PYTEST_ADDOPTS=--durations=0, which .ci/run's pytest reads).
+of everything the run started (so the cores kept busy), pass/fail counts, the 25 slowest test phases, the
+time per test file (every phase's duration: PYTEST_ADDOPTS=--durations=0, which .ci/run's pytest reads) and
+each test's CPU seconds (tests/conftest.py's "most CPU" list, per test and per file).
 docs/testing.md renders it (`scripts/docs.py`). The clone, its venv and its cache are removed afterwards.
 """
 

@@ -106,8 +106,8 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _CPU_BY_TEST:
         return
-    tr, n = terminalreporter, terminalreporter.config.option.durations
-    n = n or len(_CPU_BY_TEST) if n is not None else 25
+    tr, asked = terminalreporter, terminalreporter.config.option.durations
+    n = 25 if asked is None else asked or len(_CPU_BY_TEST)          # --durations=0: every test
     tr.write_sep("=", f"most CPU ({n} tests; {sum(_CPU_BY_TEST.values()) / 60:.1f} CPU-min in all tests)")
     for nodeid, cpu in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:n]:
         tr.write_line(f"{cpu:8.1f}s cpu  {nodeid}")

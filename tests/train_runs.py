@@ -60,12 +60,20 @@ def _in_this_process(args) -> bool:
     return local_devices(load_config(TrainConfig, argv, CONFIGS_DIR / "quickstart.yaml")) == jax.local_device_count()
 
 
+def _command(run_dir, *extra) -> list[str]:
+    return [sys.executable, "-m", "jaxrl.train", f"run_dir={run_dir}", *TINY, *extra]
+
+
 def _train(run_dir, *extra, timeout=600, env=None):
     """`python -m jaxrl.train run_dir=RUN_DIR TINY... EXTRA...` to completion: in this process when the run
     uses all its devices (`_in_this_process`) and `env` adds no environment variables, else in a fresh one."""
-    args = [f"run_dir={run_dir}", *TINY, *extra]
+    args = _command(run_dir, *extra)[3:]
     if env is not None or not _in_this_process(args):
         return _train_subprocess(run_dir, *extra, timeout=timeout, env=env)
+    return _train_here(args)
+
+
+def _train_here(args) -> Finished:
     from jaxrl.train.__main__ import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -79,8 +87,8 @@ def _train(run_dir, *extra, timeout=600, env=None):
 
 
 def _train_subprocess(run_dir, *extra, timeout=600, env=None):
-    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={run_dir}", *TINY, *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(_command(run_dir, *extra), cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
+                       text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -88,12 +96,12 @@ def _train_subprocess(run_dir, *extra, timeout=600, env=None):
 def _train_together(*runs, timeout=600):
     """`_train` for each (run_dir, *extra): the fresh processes started first and run while the runs that
     fit this process run here, one after the other."""
-    here = [r for r in runs if _in_this_process([f"run_dir={r[0]}", *TINY, *r[1:]])]
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxrl.train", f"run_dir={d}", *TINY, *extra], cwd=ROOT,
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for d, *extra in runs if (d, *extra) not in here]
-    for d, *extra in here:
-        _train(d, *extra)
+    commands = [_command(*run) for run in runs]
+    here = [cmd[3:] for cmd in commands if _in_this_process(cmd[3:])]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands if cmd[3:] not in here]
+    for args in here:
+        _train_here(args)
     for p in procs:
         out = p.communicate(timeout=timeout)[0]
         assert p.returncode == 0, out[-6000:]
@@ -155,10 +163,10 @@ def kill_and_resume(full, killed, args, env=None):
     """`args` run uninterrupted in `full` and, alongside (two processes: both cores compile), in `killed`, which
     is killed (SIGKILL) once checkpoint 2 exists and then resumed by the same command: the final weights must
     be bit-identical. `env`: environment variables added for all three."""
-    cmd, env = [sys.executable, "-m", "jaxrl.train", *TINY, *args], {**_env(), **(env or {})}
-    whole = subprocess.Popen([*cmd, f"run_dir={full}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    env = {**_env(), **(env or {})}
+    whole = subprocess.Popen(_command(full, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    p = subprocess.Popen([*cmd, f"run_dir={killed}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    p = subprocess.Popen(_command(killed, *args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "2").exists():
