@@ -14,15 +14,15 @@ from jaxrl.config.base import ConfigError
 from jaxrl.config.generate import EngineSection, SamplingSection
 from jaxrl.config.stream import StreamSection, check_stream
 from jaxrl.config.train_rollout import TailBatchingSection, TrainSamplingSection
-from jaxrl.config.train import AlgoSection, DistributedSection, TrainConfig, TrainerSection
+from jaxrl.config.train import AlgoSection, TrainConfig, TrainerSection
 from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.runtime import CompileCounter
 from jaxrl.train import rl
 from jaxrl.train.batch import Sample
 from jaxrl.train.blockwise import BlockwiseUpdater
 from jaxrl.train.step import LossSpec
-from jaxrl.train.stream import (StreamTrainer, freed_instances, milestone_due, peak_pages, plan_shrink,
-                                projected_lengths)
+from jaxrl.train.shrink import freed_instances, milestone_due, peak_pages, plan_shrink, projected_lengths
+from jaxrl.train.stream import StreamTrainer
 from jaxrl.train.update import Updater
 from models import PRESETS, init, logical_axes
 from sharding import Layout, ShardingRules, shardings_for
@@ -313,7 +313,6 @@ def test_plan_shrink_rule():
 @pytest.mark.parametrize("key,cfg", [
     ("algo.mini_batches", dict(algo=AlgoSection(mini_batches=2))),
     ("algo.advantage", dict(algo=AlgoSection(advantage="reinforce_pp"))),
-    ("distributed.num_processes", dict(distributed=DistributedSection(num_processes=2))),
     ("trainer.kv_source", dict(trainer=TrainerSection(backward="blockwise", kv_source="rollout"))),
     ("trainer.micro_batch_tokens", dict(trainer=TrainerSection(micro_batch_tokens=None))),
     ("engine.instances", dict(engine=EngineSection(instances=3))),

@@ -21,7 +21,9 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     repartition is the fast path, nothing to move). four_balanced: 4 processes on tail batching's rounds
     agree on every round's accepted prompts and the queue (the race is decided on lengths, the queue is
     global) and, with DAPO dynamic sampling, on the dropped groups and the waves. ppo_two_balanced: the
-    critic, GAE and the reward's KL on 2 processes."""
+    critic, GAE and the reward's KL on 2 processes. stream_two / stream_four: RollPacker's stream trainer,
+    each process freeing half of its own instances at its own milestones and streaming its own groups'
+    gradients there; the early sums meet over processes at the update."""
     extra, procs = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
@@ -44,6 +46,11 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
         assert all(r["flow/padding_balanced"] <= r["flow/padding_local"] for r in packed)
     for k in keys:
         assert [r[k] for r in m1] == [r[k] for r in m2], k      # the same rollouts
+    if mode.startswith("stream"):      # (counts summed over processes: shrunk = how many pools shrank)
+        assert all(r["stream/shrunk"] >= 1 for r in m1 + m2) and sum(r["stream/groups_early"] for r in m2) > 0
+        assert sum(r["stream/groups_early"] + r["stream/groups_late"] for r in m2) == 2 * 8
+        for k in ("loss", "grad_norm", "kl"):
+            np.testing.assert_allclose([r[k] for r in m2], [r[k] for r in m1], rtol=1e-5, atol=1e-7, err_msg=k)
     if mode.startswith("ppo"):     # the critic (weights in the last checkpoint) and the reward's KL agree too
         assert m1[2]["critic/value_mean"] != 0.0 and m1[2]["reward_kl"] > 0 and m1[1]["critic/vf_loss"] > 0
         for k in ("critic/vf_loss", "critic/value_mean", "critic/returns_mean", "reward_kl"):

@@ -201,8 +201,11 @@ PPO = ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "ste
 # GRPO: 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is the
 # same chain of nodes), repartitioned by tokens; PPO on 2 processes, also repartitioned. Each shares its
 # 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
+# RollPacker's stream trainer with a reference (its copy on the freed devices is the collective kind)
+STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo.kl_coef=0.05"]
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
-         "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2)}
+         "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2),
+         "stream_two": (STREAM, 2), "stream_four": (STREAM, 4)}
 COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
           "critic.optim.eps=1e-3"]
 _ONE_PROCESS_RUNS = {}

@@ -63,9 +63,9 @@ class StreamSection(Section):
         check_int("history", self.history, minimum=1)
 
 
-def check_stream(stream: StreamSection, cfg: TrainConfig, *, processes: int | None = None) -> None:
+def check_stream(stream: StreamSection, cfg: TrainConfig) -> None:
     """Refuse, with the key at fault, what the stream trainer cannot make exact or cannot run (only when
-    `stream.enabled`). `processes`: the live process count (None: the configured one)."""
+    `stream.enabled`)."""
     if not stream.enabled:
         return
     why = "with trainer.stream.enabled=true"
@@ -76,10 +76,6 @@ def check_stream(stream: StreamSection, cfg: TrainConfig, *, processes: int | No
     if a.advantage == "reinforce_pp":
         raise ConfigError("algo.advantage", f"reinforce_pp {why}: its advantages are normalised over the whole "
                           "batch, unknown until the rollout ends; use a group estimator (grpo, dr_grpo, rloo)")
-    n = processes if processes is not None else (cfg.distributed.num_processes or 1)
-    if n > 1:
-        raise ConfigError("distributed.num_processes", f"{n} {why}: each process would shrink its own instances "
-                          "at its own milestones while the train mesh spans all of them; run one process")
     if t.backward == "blockwise" and t.kv_source == "rollout":
         raise ConfigError("trainer.kv_source", f"rollout {why}: the rollout's K/V are staged per micro-batch of the "
                           "whole batch on the train mesh, not per streamed group on the freed devices; use "

@@ -10,7 +10,7 @@ simulated reward pool (`rewards.SimRewardPool`):
   `SwitchController` — attached to the service, switching it mid-generation; between steps
   `AdaptiveTP.home` / `planner.apply` bring it back to the step's layout (RollPacker's `TPPlanner.decide`
   picks it per round type from the step's preemptions, as `Trainer.collect` does);
-* the stream trainer is `stream.milestone_due`, `stream.shrink_plan` and `stream.take_shrink` after every
+* the stream trainer is `shrink.milestone_due`, `shrink.shrink_plan` and `shrink.take_shrink` after every
   engine step of a round without a race (as `StreamTrainer.on_progress`); the freed GPUs then compute the
   gradients of groups as they complete;
 * StreamRL's skew placement is `skew.plan_placement` with the workload's own mean lengths as the ranker's
@@ -48,7 +48,7 @@ from jaxrl.rollout.tp_switch import AdaptiveTP
 from jaxrl.train import rl
 from jaxrl.train.pipeline import Timeline
 from jaxrl.train.rounds import tail_round
-from jaxrl.train.stream import milestone_due, shrink_plan, take_shrink
+from jaxrl.train.shrink import milestone_due, shrink_plan, take_shrink
 from models import preset
 
 from .config import SimConfig, mechanisms_of, train_config

@@ -20,6 +20,12 @@ as soon as the next group would not fit (or it fills the micro-batch exactly); a
 more rows goes by itself over several. How many micro-batches run, and when, is set by arrival; their
 shape never changes, so nothing compiles after the warm-up. The rest waits for more groups or `combine`.
 
+**Several processes** (the stream trainer: each process streams onto its own freed devices): a streamed
+micro-batch holds this process's samples only, mb_rows / process_count rows (its share of a global one), on
+a mesh of its own devices, so no streamed gradient waits for another process. `combine` is where they meet:
+the rest as global micro-batches (each process's rows, their count agreed) and each process's early sums
+summed over processes through the hosts (`_process_sum`).
+
 `behaviour=True` (one-step-async): samples carry the rollout's own log-probs, packed as `old_logp`, the
 behaviour policy of the importance ratio. `executor` (`pipeline.TrainWorker`): `add` and `target` run on
 the train pool's thread (packing and dispatch off the caller's loop); `combine` waits for them.
@@ -27,12 +33,16 @@ the train pool's thread (packing and dispatch off the caller's loop); `combine` 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import rl
 from .batch import FIELDS, INT_FIELDS, Sample, pack, pack_rows
+from .distributed import global_max
 from .step import sum_onto
 
 ROWS = P(("dp", "fsdp"), None)
@@ -47,6 +57,7 @@ class GradientStream:
                  executor=None):
         self.cfg, self.spec, self.updater, self.mesh = cfg, spec, updater, mesh
         self.pack_len, self.mb_rows, self.behaviour, self.executor = pack_len, mb_rows, behaviour, executor
+        self.local_rows = mb_rows // jax.process_count()     # a streamed micro-batch: this process's share
         self.max_new_tokens = cfg.rollout.max_new_tokens
         self.train_rows = NamedSharding(mesh, ROWS)
         self.begin(None)
@@ -74,6 +85,8 @@ class GradientStream:
             self._target(params, ref, rows)
 
     def _target(self, params, ref, rows):
+        if not rows.is_fully_addressable:
+            raise ValueError("several processes: streamed gradients run on this process's own devices")
         self._where = (params, ref, rows)
         self._pending += self._held
         self._held = []
@@ -109,10 +122,14 @@ class GradientStream:
             raise ValueError("no groups were added this step")
         late = [s for g in self._held + self._pending for s in g]
         acc = None
-        for part in self._micro_batches(late, _rows(late, self.pack_len)):
+        for part in self._late_micro_batches(late):
             acc = self._grad(params, self._ref, part, self.train_rows, acc)
-        parts = [a for a in (acc, self._acc) if a is not None]
-        grads, stats = sum_onto(parts, self.grad_shardings(params))
+        shardings = self.grad_shardings(params)
+        early = self._acc
+        if jax.process_count() > 1:         # each process's own early sums (maybe none), summed over processes
+            early = self._process_sum(early, params, shardings)
+        parts = [a for a in (acc, early) if a is not None]
+        grads, stats = sum_onto(parts, shardings)
         _, denominator = rl.batch_weights(self.samples, self.cfg, self.max_new_tokens, fold=False)
         self._held, self._pending, self._acc = [], [], None
         self._combined = (grads, stats, denominator)
@@ -128,7 +145,9 @@ class GradientStream:
 
     # ------------------------------------------------------------------ internals
     def abstract_mb(self, rows: NamedSharding) -> dict:
-        return {k: jax.ShapeDtypeStruct((self.mb_rows, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
+        """One micro-batch on `rows`: mb_rows rows on the train mesh, local_rows on a process's own devices."""
+        n = self.local_rows if rows.is_fully_addressable else self.mb_rows
+        return {k: jax.ShapeDtypeStruct((n, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
                                         sharding=rows) for k in self.keys()}
 
     def abstract_sums(self, params):
@@ -145,15 +164,41 @@ class GradientStream:
             mb["ref_logp"] = self.updater.logprobs(ref, mb)
         return self.updater.accumulate(params, mb, acc)
 
-    def _micro_batches(self, samples: list[Sample], rows: list[list[int]]):
-        """Host micro-batches (mb_rows x pack_len each) of `samples` packed as `rows`, the last padded with
-        zero-weight rows; weights unnormalised (1/q_i: `rl.batch_weights(fold=False)`)."""
-        if not samples:
+    def _micro_batches(self, samples: list[Sample], rows: list[list[int]], per: int | None = None, n: int | None = None):
+        """Host micro-batches of `samples` packed as `rows`, `per` rows each (default local_rows; `n` of them,
+        default as few as hold `rows`), the last padded with zero-weight rows; weights unnormalised (1/q_i:
+        `rl.sample_weights`, local to this process)."""
+        per = per or self.local_rows
+        n = -(-len(rows) // per) if n is None else n
+        if not n:
             return []
-        weights, _ = rl.batch_weights(samples, self.cfg, self.max_new_tokens, fold=False)
-        n = -(-len(rows) // self.mb_rows)
-        packed = pack(samples, weights, self.pack_len, n_rows=n * self.mb_rows, rows=rows, behaviour=self.behaviour)
-        return [{k: v[j * self.mb_rows:(j + 1) * self.mb_rows] for k, v in packed.items()} for j in range(n)]
+        weights = rl.sample_weights(samples, self.cfg, self.max_new_tokens)
+        packed = pack(samples, weights, self.pack_len, n_rows=n * per, rows=rows, behaviour=self.behaviour)
+        return [{k: v[j * per:(j + 1) * per] for k, v in packed.items()} for j in range(n)]
+
+    def _late_micro_batches(self, samples: list[Sample]) -> list[dict]:
+        """The samples no streamed micro-batch took, as global micro-batches on the train mesh: every process
+        contributes mb_rows / process_count rows of its own to each, and the count is agreed (the largest; a
+        process with fewer pads zero-weight rows), since each is one program over every process's devices."""
+        procs = jax.process_count()
+        local, rows = self.mb_rows // procs, _rows(samples, self.pack_len)
+        n = global_max(-(-len(rows) // local))
+        shape = (self.mb_rows, self.pack_len)
+        return [{k: jax.make_array_from_process_local_data(self.train_rows, v, shape) for k, v in part.items()}
+                for part in self._micro_batches(samples, rows, local, n)]
+
+    def _process_sum(self, sums, params, shardings):
+        """Σ over processes of each process's own early sums (None: this process streamed nothing, zeros),
+        onto the train mesh as `shardings`. Each process's sums go to its host (the paper offloads gradient
+        sums to the host) and become its slice of a (processes, ...) array on the train mesh's devices,
+        whole on each of the process's devices while they are summed."""
+        abstract = self.abstract_sums(params)
+        host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract) if sums is None else jax.device_get(sums)
+        sharding = NamedSharding(process_mesh(self.mesh), P("proc"))
+        procs = jax.process_count()
+        stacked = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            sharding, np.asarray(x)[None], (procs, *np.shape(x))), host)
+        return _sum_first(stacked, shardings)
 
     def _drain(self):
         """Start micro-batches from the waiting groups (see the module docstring)."""
@@ -162,10 +207,10 @@ class GradientStream:
             k, rows = 0, []
             while k < len(self._pending):
                 r = _rows([s for g in self._pending[:k + 1] for s in g], self.pack_len)
-                if len(r) > self.mb_rows:
+                if len(r) > self.local_rows:
                     break
                 k, rows = k + 1, r
-            if k == len(self._pending) and len(rows) < self.mb_rows:
+            if k == len(self._pending) and len(rows) < self.local_rows:
                 return
             if k == 0:
                 k, rows = 1, _rows(self._pending[0], self.pack_len)
@@ -178,9 +223,33 @@ class GradientStream:
             self._pending = self._pending[k:]
 
 
+def process_mesh(mesh) -> Mesh:
+    """`mesh`'s devices in their order as a ("proc", "local") mesh, one row per process. Raises when the
+    order does not keep each process's devices together."""
+    devices = np.asarray(mesh.devices).reshape(jax.process_count(), -1)
+    if any(len({d.process_index for d in row}) != 1 for row in devices):
+        raise ValueError(f"the train mesh's devices are not grouped by process: {mesh.devices.flat}")
+    return Mesh(devices, ("proc", "local"))
+
+
+def _sum_first(stacked, shardings):
+    """Each leaf summed over its first axis (the processes, in order), placed as `shardings`."""
+    key = (jax.tree.structure(stacked), jax.tree.structure(shardings))
+    if key not in _SUM_FIRST:
+        _SUM_FIRST[key] = jax.jit(lambda t: jax.tree.map(lambda x: functools.reduce(jnp.add, list(x)), t),
+                                  out_shardings=shardings)
+    return _SUM_FIRST[key](stacked)
+
+
+_SUM_FIRST: dict = {}
+
+
 def warm_sum(gs: GradientStream, params) -> None:
-    """Run the combine's add program once on zeros (what `combine` sums the accumulators with)."""
+    """Run the combine's add programs once on zeros (what `combine` sums the accumulators with; with several
+    processes, the sum over processes too)."""
     sums = gs.abstract_sums(params)
     shardings = jax.tree.map(lambda s: s.sharding, sums)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), sums)
     jax.block_until_ready(sum_onto([zeros, zeros], shardings))
+    if jax.process_count() > 1:
+        jax.block_until_ready(gs._process_sum(None, params, shardings))

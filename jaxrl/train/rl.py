@@ -315,11 +315,16 @@ def batch_weights(samples: list[Sample], cfg: TrainConfig, max_new_tokens: int, 
     denominator = int(n_tok) if algos.AGGREGATIONS[agg].denominator == "tokens" else int(n_seq)
     if fold:
         weights = algos.folded_token_weights(agg, resp, max_new_tokens, denominator=denominator)
-        denominator = 1.0
-    else:
-        weights, _ = algos.token_weights(agg, resp, max_new_tokens)
-        denominator = float(max(denominator, 1))
-    return weights * cfg.algo.mini_batches, denominator
+        return weights * cfg.algo.mini_batches, 1.0
+    return sample_weights(samples, cfg, max_new_tokens), float(max(denominator, 1))
+
+
+def sample_weights(samples: list[Sample], cfg: TrainConfig, max_new_tokens: int) -> np.ndarray:
+    """`batch_weights(fold=False)`'s weights, 1/q_i x algo.mini_batches, without its denominator: nothing
+    crosses processes, so a process may call it on its own (the stream trainer's micro-batches on the devices
+    this process freed)."""
+    weights, _ = algos.token_weights(cfg.algo.agg, np.asarray([len(s.response) for s in samples]), max_new_tokens)
+    return weights * cfg.algo.mini_batches
 
 
 def global_batch(samples: list[Sample], cfg: TrainConfig, mesh, pack_len: int, max_new_tokens: int):

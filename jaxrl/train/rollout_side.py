@@ -46,7 +46,8 @@ from .grad_stream import GradientStream
 from .pipeline import Prefetched
 from .rounds import tail_round
 from .skew_step import SkewStep
-from .stream import StreamTrainer, kept_instances
+from .shrink import kept_instances
+from .stream import StreamTrainer
 
 log = logging.getLogger("jaxrl.train")
 
@@ -194,7 +195,7 @@ class RolloutSide:
         weights. Returns where scored groups go (None: nothing streams)."""
         p = self.policy
         if self.stream:
-            self.stream.begin(p.params, p.ref_params)
+            self.stream.begin(p.params, p.ref_params, svc=self.svc)
             return self.stream.add_group
         if self.gstream:
             self.gstream.begin(p.ref_params)

@@ -8,29 +8,7 @@ rollout devices freed mid-rollout, one update at the end that equals the synchro
     ...  each completed, scored group:  st.add_group(samples)                   # rl.Sample with advantages
     params, opt_state, metrics = st.finish(params, opt_state)                   # after the rollout
 
-**When (Algorithm 1, line 14).** `milestone_due`: once start <= finished/total <= stop (20%..50%) and
-another `step` (5%) of the requests finished since the last check. At most one shrink per step.
-
-**Which devices (the paper's "half of the rollout GPUs, TP groups intact").** `freed_instances`: the
-trailing instances that hold exactly half the rollout devices (instance 0 always stays); none such ->
-the attempt is aborted. The set is fixed by the layout, so `warm()` compiles one sub-mesh's executables
-(the paper does not say which half; picking the least-loaded instances would need one compiled set per
-choice).
-
-**Whether (line 17: the projected peak KV).** `projected_lengths` gives each live request's final
-length: "history" (the paper's "historical response length distributions"): a request that has
-generated g tokens ends at the `quantile` of the recorded response lengths longer than g, capped at its
-max_new_tokens (none longer -> the cap); "max": every request runs to its cap (a bound). `peak_pages`
-turns final lengths into the peak of live pages over the remaining decode steps (usage grows by one
-token per live request per step and drops when a request ends, so it peaks just before some request
-ends). `plan_shrink` accepts when the peak of all live requests fits in `kv_fraction` of the whole pool's
-pages and, after assigning the freed instances' requests to the remaining ones (largest first, to the
-one least filled), each remaining instance's own peak fits its pages. Recomputed requests do not share
-prompt pages, and none are counted as shared.
-
-**How (line 20).** pause, detach the freed instances' live requests, attach them to their assigned
-instances with kv="recompute" (tokens kept, KV re-prefilled; sampling continues on each request's own
-RNG stream, so the tokens are those of a run without the shrink).
+**The decision** (when, which devices, whether, how: Algorithm 1, lines 14-20) is `jaxrl.train.shrink`.
 
 **Gradients (line 23) and the update.** `rl.batch_weights(fold=False)` semantics: each sample carries its
 unnormalised 1/q_i; the denominator D (tokens or sequences of the whole batch) is known only at the end.
@@ -50,8 +28,21 @@ Simplified versus the paper (and why):
 * A micro-batch starts only when waiting samples fill it; the last partial one runs on the full mesh at
   the end. The paper's producer-consumer rate matching is not modelled, nor is the decode slow-down
   after the shrink (the paper omits it too).
-* One process only (`check_stream`). The service's router does not know about the shrink: a loop that
-  adds requests mid-step must route them to `rollout_instances(svc)`.
+* The service's router does not know about the shrink: a loop that adds requests mid-step must route
+  them to `rollout_instances(svc)`.
+
+**Several processes (DistFlow's multi-controller).** Each process's pool is its own instances: it checks
+its own milestones on its own requests and frees the trailing half of its own instances, at its own time;
+its streamed micro-batches hold its own samples, on its own freed devices, so nothing crosses processes
+until `finish`, which every process reaches at the same point of the step: the remaining samples run as
+global micro-batches on the train mesh (each process's rows; their count agreed), each process's early
+sums go through its host (the paper offloads them there) into one sum over processes
+(`GradientStream._process_sum`), D is counted over all processes, and one update follows. The copy a shrink
+needs is process-local: the weights come from a freed instance's rollout copy (already the step's weights,
+on those devices: what the paper's freed GPUs hold) and, with algo.kl_coef > 0, the reference from a copy
+placed on the freed devices at `begin` (a collective every process makes, once per reference). The update
+equals the 1-process one up to float32 summation order; `stream/` counts are summed over processes
+(`stream/shrunk`: how many pools shrank), `stream/shrunk_at` and `stream/move_s` are the process's own.
 """
 
 from __future__ import annotations
@@ -59,158 +50,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
-
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.config.base import ConfigError
 from jaxrl.config.stream import StreamSection, check_stream
-from models import logical_axes, lora, vocab_rows
+from models import fit_vocab, logical_axes, lora, vocab_rows
 from sharding import Layout, ShardingRules, reshard, shardings_for
 
 from .batch import FIELDS, Sample
+from .distributed import global_sum
 from .grad_stream import ROWS, GradientStream, warm_sum
+from .shrink import ShrinkPlan, freed_instances, milestone_due, shrink_plan, take_shrink
 from .update import Updater
-
-
-# ----------------------------------------------------------------------------- the decision (pure)
-def milestone_due(finished: int, total: int, last: int, *, start: float, stop: float, step: float) -> bool:
-    """Algorithm 1, line 14: start <= |R_comp|/|R| <= stop and ΔR/|R| >= step, where ΔR counts the requests
-    finished since the last check (`last` = finished then; 0 before the first)."""
-    if total <= 0:
-        return False
-    eps = 1e-9 * total
-    return start * total - eps <= finished <= stop * total + eps and finished - last >= step * total - eps
-
-
-def freed_instances(tps: Sequence[int]) -> tuple[int, ...] | None:
-    """The trailing instances holding exactly half of the rollout devices (each instance whole; instance 0
-    always stays), or None when no such set exists."""
-    half, acc = sum(tps) / 2, 0
-    for k in range(len(tps) - 1, 0, -1):
-        acc += tps[k]
-        if acc == half:
-            return tuple(range(k, len(tps)))
-        if acc > half:
-            break
-    return None
-
-
-def projected_lengths(rows: Sequence[dict], history: Sequence[int] = (), *, projection: str = "history",
-                      quantile: float = 0.9) -> np.ndarray:
-    """Final context length (prompt + response) of each live request, `svc.sequence_stats()` rows.
-
-    "max": prompt + max_new_tokens. "history": prompt + the `quantile` of the recorded response lengths
-    longer than the request's generated count (rounded up), at least one more token and at most
-    max_new_tokens; with no longer recorded length, max_new_tokens."""
-    prompt = np.asarray([r["prompt_len"] for r in rows], np.int64)
-    gen = np.asarray([r["generated"] for r in rows], np.int64)
-    cap = np.asarray([r["max_new_tokens"] for r in rows], np.int64)
-    if projection == "max" or not len(history):
-        return prompt + cap
-    h = np.sort(np.asarray(history, np.int64))
-    resp = cap.copy()
-    for i, g in enumerate(gen):
-        longer = h[np.searchsorted(h, g, side="right"):]
-        if longer.size:
-            resp[i] = int(np.ceil(np.quantile(longer, quantile)))
-    return prompt + np.clip(resp, np.minimum(gen + 1, cap), cap)
-
-
-def peak_pages(context, final, page_size: int) -> int:
-    """Peak KV pages of requests now at `context` tokens that each grow by one token per decode step until
-    `final`, freeing their pages then: max over steps t of Σ_{live at t} ceil((context + t) / page_size).
-    Usage only grows between two ends, so the candidates are the steps at which some request ends."""
-    c = np.asarray(context, np.int64)
-    if c.size == 0:
-        return 0
-    left = np.maximum(np.asarray(final, np.int64), c) - c          # steps each request has left
-    ends = np.unique(left)
-    pages = -(-(c[:, None] + ends[None, :]) // page_size)
-    return int(np.max(np.sum(pages * (ends[None, :] <= left[:, None]), axis=0)))
-
-
-@dataclasses.dataclass
-class ShrinkPlan:
-    """One milestone's decision. `ok`: shrink now; else `reason` says why not."""
-
-    ok: bool
-    reason: str = ""
-    freed: tuple[int, ...] = ()                          # instances that stop generating
-    moves: dict[int, list[int]] = dataclasses.field(default_factory=dict)   # remaining instance -> request ids
-    peak_pages: int = 0                                  # projected peak of every live request
-    budget_pages: int = 0                                # kv_fraction x the whole pool's pages
-
-
-def plan_shrink(rows: Sequence[dict], final: np.ndarray, instances: Sequence[tuple[int, int, int]], *,
-                page_size: int, kv_fraction: float, classes: dict[int, str] | None = None) -> ShrinkPlan:
-    """Algorithm 1, lines 16-17. `rows`: live requests (`svc.sequence_stats()`), `final` their projected
-    final lengths, `instances`: (index, tp, pages) of every instance in order. `classes` (StreamRL's skew
-    placement: instance -> "long" / "regular"): a moved request goes to a kept instance of its own
-    instance's class when one is kept. See the module docstring."""
-    tps = [tp for _, tp, _ in instances]
-    freed = freed_instances(tps)
-    if freed is None:
-        return ShrinkPlan(False, f"no trailing instances hold half of the rollout devices (instance tp {tps})")
-    idx = [i for i, _, _ in instances]
-    freed = tuple(idx[k] for k in freed)
-    ctx = np.asarray([r["context_len"] for r in rows], np.int64)
-    final = np.asarray(final, np.int64)
-    peak = peak_pages(ctx, final, page_size)
-    budget = int(kv_fraction * sum(p for _, _, p in instances))
-    plan = ShrinkPlan(False, freed=freed, peak_pages=peak, budget_pages=budget)
-    if peak > budget:
-        plan.reason = f"projected peak {peak} pages > {budget} (kv_fraction {kv_fraction} of the pool)"
-        return plan
-    cap = {i: p for i, _, p in instances if i not in freed}
-    members = {i: [k for k, r in enumerate(rows) if r["instance"] == i] for i in cap}
-    load = {i: sum(-(-final[k] // page_size) for k in members[i]) for i in cap}
-    moved = sorted((k for k, r in enumerate(rows) if r["instance"] in freed), key=lambda k: -final[k])
-    for k in moved:
-        own = [i for i in cap if classes and classes.get(i) == classes.get(rows[k]["instance"])]
-        target = min(own or cap, key=lambda i: (load[i] / cap[i], i))
-        members[target].append(k)
-        load[target] += -(-final[k] // page_size)
-        plan.moves.setdefault(target, []).append(rows[k]["request_id"])
-    for i in cap:
-        own = peak_pages(ctx[members[i]], final[members[i]], page_size)
-        if own > cap[i]:
-            plan.moves, plan.reason = {}, f"instance {i}: projected peak {own} pages > its {cap[i]}"
-            return plan
-    plan.ok = True
-    return plan
-
-
-def shrink_plan(svc, s: StreamSection, history: Sequence[int], classes: dict[int, str] | None = None) -> ShrinkPlan:
-    """Lines 16-17 on a rollout service: its live requests' projected final lengths (`s.projection`) and
-    `plan_shrink` over its instances' pools (moves within `classes`, when given)."""
-    rows = svc.sequence_stats()
-    final = projected_lengths(rows, history, projection=s.projection, quantile=s.quantile)
-    return plan_shrink(rows, final, [(i.index, i.tp, i.pool.capacity) for i in svc.instances],
-                       page_size=svc.instances[0].pool.page_size, kv_fraction=s.kv_fraction, classes=classes)
-
-
-def kept_instances(svc) -> int:
-    """How many leading instances a shrink never frees (all of them when no half can be freed)."""
-    freed = freed_instances(list(svc.layout))
-    return len(svc.layout) if freed is None else min(freed)
-
-
-def take_shrink(svc, plan: ShrinkPlan) -> int:
-    """Line 20: pause (tokens in flight land; requests they finished come out of the next step), then move
-    the freed instances' live requests to their assigned instances with kv="recompute". Returns how many
-    moved."""
-    svc.pause()
-    live = {rid for k in plan.freed for rid in svc.instances[k].live_rids()}
-    moved = 0
-    for target, rids in plan.moves.items():
-        rids = [r for r in rids if r in live]
-        if rids:
-            svc.attach(svc.detach(rids), instance=target, kv="recompute")
-        moved += len(rids)
-    return moved
 
 
 # ----------------------------------------------------------------------------- the component
@@ -228,7 +81,7 @@ class StreamTrainer:
 
     def __init__(self, cfg, stream: StreamSection, model_cfg, spec, updater: Updater, mesh, *, pack_len: int,
                  mb_rows: int):
-        check_stream(stream, cfg, processes=jax.process_count())
+        check_stream(stream, cfg)
         if cfg.algo.mini_batches != 1:      # also when disabled: `finish` is one update per rollout batch
             raise ConfigError("algo.mini_batches", f"{cfg.algo.mini_batches}: the stream trainer applies one "
                               "update per rollout batch; set 1")
@@ -238,20 +91,40 @@ class StreamTrainer:
         self.train_rows = self.gs.train_rows
         self.history: collections.deque = collections.deque(maxlen=stream.history)
         self._subs: dict[tuple, _SubMesh] = {}
+        self._ref_copy = None        # (key, the reference on the freed devices), several processes only
         self._reset(None, None)
 
     # ------------------------------------------------------------------ step lifecycle
-    def begin(self, params, ref_params=None):
+    def begin(self, params, ref_params=None, svc=None):
         """Start a step whose gradients are taken at `params` (the train mesh's; the early gradients use a
         copy made at the shrink, so `finish` must get the same values). `ref_params`: needed when
-        algo.kl_coef > 0."""
+        algo.kl_coef > 0. `svc`: the rollout service; with several processes and a reference, its freed
+        devices get their copy of the reference now, where every process calls this (once per reference)."""
         if self.spec.kl_coef and ref_params is None:
             raise ValueError("algo.kl_coef > 0: begin() needs the reference weights")
         self._reset(params, ref_params)
+        if jax.process_count() > 1 and self.spec.kl_coef and not lora.has_adapters(params) and svc is not None:
+            self._place_ref(svc)
+
+    def _place_ref(self, svc):
+        """Several processes: each process's freed devices hold a copy of the reference, made at `begin`
+        (a collective), since a shrink is each process's own decision, at its own time, where no copy from
+        the train mesh's global arrays can be made. Made once per reference and kept (the reference does not
+        change between steps); without any shrink possible (`freed_instances`), none."""
+        freed = freed_instances(svc.layout)
+        if freed is None:
+            return
+        devices = [d for k in freed for d in svc.instances[k].mesh.devices.flat]
+        key = (id(jax.tree.leaves(self._ref)[0]), tuple(d.id for d in devices))
+        if self._ref_copy is None or self._ref_copy[0] != key:
+            if self._ref_copy is not None:
+                _delete(self._ref_copy[1])
+            self._ref_copy = (key, local_copy(self._ref, self._sub_for(devices).params))
 
     def _reset(self, params, ref_params):
         self._params, self._ref = params, ref_params
         self._sub = self._sub_params = self._sub_ref = None
+        self._own: list = []
         self._freed: tuple[int, ...] = ()
         self.gs.begin(ref_params)
         self._last = self.checks = self.moved = 0
@@ -292,18 +165,30 @@ class StreamTrainer:
         self.moved += take_shrink(svc, plan)
         self.move_s = time.perf_counter() - t0
         self._freed, self.shrunk_at = plan.freed, finished / total
-        self.repurpose(devices)
+        self.repurpose(devices, source=svc.instances[plan.freed[0]].weights)
         return plan
 
-    def repurpose(self, devices):
+    def repurpose(self, devices, source=None):
         """Compute gradients on `devices` from now on (also what `on_progress` calls after moving the
-        requests): the weights are copied there and the groups held so far start."""
+        requests): the weights are copied there and the groups held so far start. `source`: the weights to
+        copy, the step's own (`on_progress` passes a freed instance's rollout copy, already on those devices,
+        as in the paper, and process-local); default the train mesh's, one process only."""
         self._check_begun()
+        if source is None and jax.process_count() > 1:
+            raise ValueError("several processes: repurpose() needs the step's weights on this process's devices "
+                             "(`source`, e.g. a freed rollout instance's copy)")
         self._sub = self._sub_for(devices)
-        self._sub_params, _ = reshard(self._params, self._sub.params)
+        src = self._params if source is None else fit_vocab(source, vocab_rows(self._params))
+        self._sub_params, _ = reshard(src, self._sub.params)
+        self._own = [x for x in jax.tree.leaves(self._sub_params) if not any(x is y for y in jax.tree.leaves(src))]
         if self.spec.kl_coef:       # LoRA: the reference is the base, already there inside the copied params
-            self._sub_ref = lora.base(self._sub_params) if lora.has_adapters(self._sub_params) else \
-                reshard(self._ref, self._sub.params)[0]
+            if lora.has_adapters(self._sub_params):
+                self._sub_ref = lora.base(self._sub_params)
+            elif self._ref_copy is not None:
+                self._sub_ref = self._ref_copy[1]
+            else:
+                self._sub_ref = reshard(self._ref, self._sub.params)[0]
+                self._own += jax.tree.leaves(self._sub_ref)
         self.gs.target(self._sub_params, self._sub_ref, self._sub.rows)
 
     def add_group(self, samples: list[Sample]):
@@ -328,15 +213,15 @@ class StreamTrainer:
         params, opt_state, m = self.gs.apply(params, opt_state)
         m = jax.device_get(m)
         gs = self.gs
-        m.update({"stream/shrunk": int(bool(self._freed)), "stream/shrunk_at": self.shrunk_at,
-                  "stream/freed_devices": len(self._sub.devices) if self._sub else 0,
+        counts = {"stream/shrunk": int(bool(self._freed)), "stream/freed_devices": len(self._sub.devices) if self._sub else 0,
                   "stream/groups_early": gs.groups_early, "stream/groups_late": gs.groups - gs.groups_early,
-                  "stream/samples_early": gs.samples_early, "stream/checks": self.checks,
-                  "stream/moved": self.moved, "stream/move_s": self.move_s,
+                  "stream/samples_early": gs.samples_early, "stream/checks": self.checks, "stream/moved": self.moved,
                   "stream/peak_pages": self.plan.peak_pages if self.plan else 0,
-                  "stream/budget_pages": self.plan.budget_pages if self.plan else 0})
-        for x in {id(x): x for x in jax.tree.leaves((self._sub_params, self._sub_ref))}.values():
-            x.delete()
+                  "stream/budget_pages": self.plan.budget_pages if self.plan else 0}
+        summed = global_sum(list(counts.values()))          # every process's pool (one process: its own)
+        m.update({k: int(v) for k, v in zip(counts, summed)})
+        m.update({"stream/shrunk_at": self.shrunk_at, "stream/move_s": self.move_s})
+        _delete(self._own)              # the copies made for this step (not a rollout instance's own weights)
         self._reset(None, None)
         return params, opt_state, m
 
@@ -350,15 +235,17 @@ class StreamTrainer:
         before = self.updater.cache.compiles
         mb = self.gs.abstract_mb(self.train_rows)
         self.updater.warm(params, opt_state, mb, logp_params=[ref_params] if self.spec.kl_coef else [])
+        source = params
         if devices is None and svc is not None:
             freed = freed_instances(svc.layout)
-            devices = None if freed is None else [d for k in freed for d in svc.instances[k].mesh.devices.flat]
+            if freed is not None:      # (the copy a shrink makes: from the first freed instance's weights)
+                devices = [d for k in freed for d in svc.instances[k].mesh.devices.flat]
+                source = fit_vocab(svc.instances[freed[0]].weights, vocab_rows(params))
         if devices is not None:
             sub = self._sub_for(devices, vocab_rows(params))
-            placed = reshard(params, sub.params)[0]            # the weight copy's programs, run once
+            placed = reshard(source, sub.params)[0]            # the weight copy's programs, run once
             p = _abstract(placed)
-            for x in jax.tree.leaves(placed):
-                x.delete()
+            _delete([x for x in jax.tree.leaves(placed) if not any(x is y for y in jax.tree.leaves(source))])
             smb = self.gs.abstract_mb(sub.rows)
             if self.spec.kl_coef:
                 self.updater.cache.compile("logp", self.updater.logp, lora.base(p),    # (LoRA: the base)
@@ -379,8 +266,8 @@ class StreamTrainer:
             n, tp = len(devices), self.mesh.shape["tp"]
             if n % tp:
                 raise ValueError(f"{n} freed devices do not hold whole groups of the train tp={tp}")
-            if self.mb_rows % (n // tp):
-                raise ValueError(f"{self.mb_rows}-row micro-batches do not divide over the freed devices' "
+            if self.gs.local_rows % (n // tp):
+                raise ValueError(f"{self.gs.local_rows}-row micro-batches do not divide over the freed devices' "
                                  f"fsdp={n // tp}")
             layout = Layout(fsdp=n // tp, tp=tp)
             mesh = layout.make_mesh(list(devices))
@@ -389,6 +276,26 @@ class StreamTrainer:
                                    ShardingRules.train(self.model_cfg, layout))
             self._subs[key] = _SubMesh(tuple(devices), mesh, params, NamedSharding(mesh, ROWS))
         return self._subs[key]
+
+
+def local_copy(tree, shardings):
+    """A process-local copy of the global `tree` as `shardings` (on this process's devices): each leaf is
+    replicated over its own devices (a collective: every process calls this at the same point), and this
+    process's first copy moves to its target on the process's devices. One leaf at a time, so the transient
+    is one leaf replicated."""
+    out = []
+    for x, target in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        devices = np.empty(len(x.sharding.device_set), dtype=object)
+        devices[:] = sorted(x.sharding.device_set, key=lambda d: d.id)     # (the same order on every process)
+        whole = jax.device_put(x, NamedSharding(Mesh(devices, ("all",)), P()))
+        out.append(jax.device_put(whole.addressable_shards[0].data, target))
+    return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+
+def _delete(tree):
+    for x in {id(x): x for x in jax.tree.leaves(tree)}.values():
+        if not x.is_deleted():
+            x.delete()
 
 
 def _abstract(tree):
