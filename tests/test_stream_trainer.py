@@ -313,7 +313,6 @@ def test_plan_shrink_rule():
 @pytest.mark.parametrize("key,cfg", [
     ("algo.mini_batches", dict(algo=AlgoSection(mini_batches=2))),
     ("algo.advantage", dict(algo=AlgoSection(advantage="reinforce_pp"))),
-    ("trainer.kv_source", dict(trainer=TrainerSection(backward="blockwise", kv_source="rollout"))),
     ("trainer.micro_batch_tokens", dict(trainer=TrainerSection(micro_batch_tokens=None))),
     ("engine.instances", dict(engine=EngineSection(instances=3))),
     ("engine.instances", dict(engine=EngineSection(instances=1))),

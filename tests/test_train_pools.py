@@ -17,15 +17,19 @@ def test_stream_trainer_step_equals_synchronous(tmp_path):
     gradients run there during the rollout, one update at the end — the same rollouts and (within float32
     summation order) the same losses and weights as the synchronous trainer; nothing compiles after step 0.
     With StreamRL's skew placement too (the ranker places step 1; its long-tail instances are capped to the
-    ones the shrink keeps, and moved requests stay in their class: tests/test_stream_trainer.py): the same."""
+    ones the shrink keeps, and moved requests stay in their class: tests/test_stream_trainer.py): the same.
+    With MetroRLHF's blockwise backward on the rollout's K/V (each streamed micro-batch's K/V staged on the
+    freed devices): the same rollouts, and losses and weights within the same tolerance."""
     common = ["steps=2", "save_every=null", "engine.instances=2", "train_layout.fsdp=2", "trainer.micro_batch_tokens=256",
               "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "algo.kl_coef=0.05", "algo.entropy_coef=0.01"]
     skew = [x for x in SKEW if not x.startswith(("engine.instances", "train_layout"))]
     _train_together((tmp_path / "sync", *common),
                     (tmp_path / "stream", *common, "trainer.stream.enabled=true", "trainer.warmup=true"),
-                    (tmp_path / "skew", *common, "trainer.stream.enabled=true", *skew))
+                    (tmp_path / "skew", *common, "trainer.stream.enabled=true", *skew),
+                    (tmp_path / "kv", *common, "trainer.stream.enabled=true", "trainer.backward=blockwise",
+                     "trainer.block_size=48", "trainer.kv_source=rollout"))
     sync = _metrics(tmp_path / "sync")
-    for run in ("stream", "skew"):
+    for run in ("stream", "skew", "kv"):
         stream = _metrics(tmp_path / run)
         for a, b in zip(sync, stream):
             for key in ("reward_mean", "response_len_mean", "response_len_max"):
@@ -37,6 +41,7 @@ def test_stream_trainer_step_equals_synchronous(tmp_path):
             np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
     assert _metrics(tmp_path / "stream")[1]["compiles"] == 0
     assert [r["skew/active"] for r in _metrics(tmp_path / "skew")] == [0, 1]
+    assert all(r["blockwise/blocks"] > 0 for r in _metrics(tmp_path / "kv"))
 
 def test_dynamic_sampling_waves_stream_into_one_update(tmp_path):
     """DAPO dynamic sampling's refill waves with the gradients streamed: on a separate train pool (StreamRL's
@@ -63,8 +68,8 @@ def test_dynamic_sampling_waves_stream_into_one_update(tmp_path):
 def test_disaggregated_equals_colocated(tmp_path):
     """Dynamic-batch pipelining on a separate train pool: the same rollouts and, after 2 updates, the same
     weights within float tolerance (the streamed micro-batches pack groups in arrival order). With
-    MetroRLHF's blockwise backward on the rollout's K/V the train pool trains after the rollout (the K/V
-    are staged for the whole batch, moved from the generation devices): the same, within the same tolerance
+    MetroRLHF's blockwise backward on the rollout's K/V, streamed too (each streamed micro-batch's K/V staged
+    on the train pool from the generation devices as its groups arrive): the same, within the same tolerance
     (measured: weights within 1.2e-7 of the colocated full backward's)."""
     col, dis, kv = tmp_path / "col", tmp_path / "dis", tmp_path / "kv"
     _train_together((col, "steps=2", "save_every=null", *POOLS),
@@ -76,7 +81,7 @@ def test_disaggregated_equals_colocated(tmp_path):
         assert [r[key] for r in m1] == [r[key] for r in m2] == [r[key] for r in m3], key
     assert all(r["placement/groups_streamed"] > 0 and r["placement/groups"] == 8 for r in m2)
     assert [r["placement/gen_devices"] for r in m2] == [4] * 2 and [r["compiles"] for r in m2][1:] == [0]
-    assert all(r["blockwise/blocks"] > 0 and "placement/groups" not in r for r in m3)
+    assert all(r["blockwise/blocks"] > 0 and r["placement/groups_streamed"] > 0 for r in m3)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in m3], [r[key] for r in m1], rtol=1e-5, atol=1e-6, err_msg=key)
     _same_weights(col, dis, kv)

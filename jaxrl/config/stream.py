@@ -76,10 +76,6 @@ def check_stream(stream: StreamSection, cfg: TrainConfig) -> None:
     if a.advantage == "reinforce_pp":
         raise ConfigError("algo.advantage", f"reinforce_pp {why}: its advantages are normalised over the whole "
                           "batch, unknown until the rollout ends; use a group estimator (grpo, dr_grpo, rloo)")
-    if t.backward == "blockwise" and t.kv_source == "rollout":
-        raise ConfigError("trainer.kv_source", f"rollout {why}: the rollout's K/V are staged per micro-batch of the "
-                          "whole batch on the train mesh, not per streamed group on the freed devices; use "
-                          "kv_source=recompute")
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: streamed gradients run over fixed-shape "
                           "micro-batches; set a token budget")

@@ -17,6 +17,7 @@ weights come from the `jaxrl.algos` aggregation registry, the one definition of 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class Sample:
     advantage: float = 0.0
     logprobs: list[float] | None = None    # the rollout's log-probs of `response` (the behaviour policy)
     version: int = 0                       # the weights version that generated it (one-step-async staleness)
+    kv: Any = None                         # its rollout K/V (`rollout.SequenceKV`; kv_source=rollout, streamed)
 
 
 FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages", "weights")

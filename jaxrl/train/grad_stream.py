@@ -54,10 +54,13 @@ def _rows(samples: list[Sample], pack_len: int) -> list[list[int]]:
 
 class GradientStream:
     def __init__(self, cfg, spec, updater, mesh, *, pack_len: int, mb_rows: int, behaviour: bool = False,
-                 executor=None):
+                 executor=None, stager=None):
         self.cfg, self.spec, self.updater, self.mesh = cfg, spec, updater, mesh
         self.pack_len, self.mb_rows, self.behaviour, self.executor = pack_len, mb_rows, behaviour, executor
         self.local_rows = mb_rows // jax.process_count()     # a streamed micro-batch: this process's share
+        self.stager = stager              # MetroRLHF kv_source=rollout: the train mesh's `KVStager`
+        self._stagers = {}                # ... and one per mesh the streamed gradients run on
+        self.row_len = updater.padded_len(pack_len) if stager is not None else None
         self.max_new_tokens = cfg.rollout.max_new_tokens
         self.train_rows = NamedSharding(mesh, ROWS)
         self.begin(None)
@@ -122,8 +125,8 @@ class GradientStream:
             raise ValueError("no groups were added this step")
         late = [s for g in self._held + self._pending for s in g]
         acc = None
-        for part in self._late_micro_batches(late):
-            acc = self._grad(params, self._ref, part, self.train_rows, acc)
+        for part, kv in self._late_micro_batches(late):
+            acc = self._grad(params, self._ref, part, self.train_rows, acc, kv)
         shardings = self.grad_shardings(params)
         early = self._acc
         if jax.process_count() > 1:         # each process's own early sums (maybe none), summed over processes
@@ -150,19 +153,45 @@ class GradientStream:
         return {k: jax.ShapeDtypeStruct((n, self.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
                                         sharding=rows) for k in self.keys()}
 
+    def abstract_kv(self, rows: NamedSharding) -> dict:
+        """`accumulate`'s rollout K/V argument on `rows` (abstract), as keywords: {} without kv_source=rollout."""
+        stager = self.stager_for(rows)
+        if stager is None:
+            return {}
+        return {"kv": stager.abstract(self.local_rows if rows.is_fully_addressable else self.mb_rows, self.row_len)}
+
     def abstract_sums(self, params):
         """The train mesh's gradient sums (abstract, with their shardings): where the combined sums go (the
         update's warmed input signature)."""
-        return self.updater.warm_accumulate(params, self.abstract_mb(self.train_rows))
+        return self.updater.warm_accumulate(params, self.abstract_mb(self.train_rows), **self.abstract_kv(self.train_rows))
+
+    def stager_for(self, rows: NamedSharding):
+        """The K/V stager of the mesh `rows` lives on (None without kv_source=rollout)."""
+        if self.stager is None or rows.mesh is self.mesh:
+            return self.stager
+        key = tuple(d.id for d in rows.mesh.devices.flat)
+        if key not in self._stagers:
+            self._stagers[key] = self.stager.like(rows.mesh)
+        return self._stagers[key]
 
     def grad_shardings(self, params):
         return jax.tree.map(lambda s: s.sharding, self.abstract_sums(params))
 
-    def _grad(self, params, ref, part: dict, rows: NamedSharding, acc):
+    def _grad(self, params, ref, part: dict, rows: NamedSharding, acc, kv=None):
         mb = {k: jax.device_put(v, rows) for k, v in part.items()}
         if self.spec.kl_coef:
             mb["ref_logp"] = self.updater.logprobs(ref, mb)
-        return self.updater.accumulate(params, mb, acc)
+        return self.updater.accumulate(params, mb, acc) if kv is None else self.updater.accumulate(params, mb, acc, kv)
+
+    def _caches(self, stager, samples: list[Sample], rows: list[list[int]], n: int, per: int) -> list:
+        """The rollout K/V of `n` micro-batches of `per` rows (the samples packed as `rows`), staged anew on
+        `stager`'s mesh; Nones without kv_source=rollout."""
+        if stager is None:
+            return [None] * n
+        offsets = stager.stage([s.kv for s in samples])
+        cached, lengths = [s.kv.length for s in samples], [len(s.prompt) + len(s.response) for s in samples]
+        return [stager.packed(stager.index(rows, offsets, cached, lengths, j * per, per, self.row_len))
+                for j in range(n)]
 
     def _micro_batches(self, samples: list[Sample], rows: list[list[int]], per: int | None = None, n: int | None = None):
         """Host micro-batches of `samples` packed as `rows`, `per` rows each (default local_rows; `n` of them,
@@ -176,16 +205,18 @@ class GradientStream:
         packed = pack(samples, weights, self.pack_len, n_rows=n * per, rows=rows, behaviour=self.behaviour)
         return [{k: v[j * per:(j + 1) * per] for k, v in packed.items()} for j in range(n)]
 
-    def _late_micro_batches(self, samples: list[Sample]) -> list[dict]:
-        """The samples no streamed micro-batch took, as global micro-batches on the train mesh: every process
-        contributes mb_rows / process_count rows of its own to each, and the count is agreed (the largest; a
-        process with fewer pads zero-weight rows), since each is one program over every process's devices."""
+    def _late_micro_batches(self, samples: list[Sample]) -> list[tuple[dict, object]]:
+        """The samples no streamed micro-batch took, as global micro-batches on the train mesh, each with its
+        rollout K/V (or None): every process contributes mb_rows / process_count rows of its own to each, and
+        the count is agreed (the largest; a process with fewer pads zero-weight rows), since each is one
+        program over every process's devices."""
         procs = jax.process_count()
         local, rows = self.mb_rows // procs, _rows(samples, self.pack_len)
         n = global_max(-(-len(rows) // local))
         shape = (self.mb_rows, self.pack_len)
-        return [{k: jax.make_array_from_process_local_data(self.train_rows, v, shape) for k, v in part.items()}
-                for part in self._micro_batches(samples, rows, local, n)]
+        parts = [{k: jax.make_array_from_process_local_data(self.train_rows, v, shape) for k, v in part.items()}
+                 for part in self._micro_batches(samples, rows, local, n)]
+        return list(zip(parts, self._caches(self.stager, samples, rows, n, local)))
 
     def _process_sum(self, sums, params, shardings):
         """Σ over processes of each process's own early sums (None: this process streamed nothing, zeros),
@@ -215,8 +246,10 @@ class GradientStream:
             if k == 0:
                 k, rows = 1, _rows(self._pending[0], self.pack_len)
             samples = [s for g in self._pending[:k] for s in g]
-            for part in self._micro_batches(samples, rows):
-                self._acc = self._grad(params, ref, part, rows_sharding, self._acc)
+            parts = self._micro_batches(samples, rows)
+            caches = self._caches(self.stager_for(rows_sharding), samples, rows, len(parts), self.local_rows)
+            for part, kv in zip(parts, caches):
+                self._acc = self._grad(params, ref, part, rows_sharding, self._acc, kv)
                 self.micro_batches_early += 1
             self.groups_early += k
             self.samples_early += len(samples)

@@ -46,6 +46,12 @@ from jaxrl.rollout.shapes import fine_bucket
 from models import ModelConfig
 
 
+def export_pages(cfg) -> tuple[int, int]:
+    """(page size, pages of the longest sequence) of the rollout's exports (a `TrainConfig`): `KVStager.warm`'s."""
+    ps = cfg.engine.page_size
+    return ps, -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // ps)
+
+
 def kv_capacity(cfg) -> int:
     """Tokens of one step's exported rollout K/V at most (a `TrainConfig`): every sequence of the step at its
     largest page bucket."""
@@ -64,9 +70,11 @@ class KVStager:
     out of it, each process its own rows."""
 
     def __init__(self, cfg: ModelConfig, mesh, capacity_tokens: int, dtype):
+        self._made = (cfg, capacity_tokens, dtype)
         self.capacity = int(capacity_tokens)
         self.zero = self.capacity                        # one extra, never-written slot of zeros
-        self.processes = jax.process_count()
+        mine = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        self.processes = 1 if mine else jax.process_count()     # (a mesh of this process's devices: its own)
         rows = P(None, ("dp", "fsdp"), None, None, None)
         self.out_sharding = NamedSharding(mesh, rows)
         local = mesh if self.processes == 1 else Mesh(mesh.local_mesh.devices, mesh.axis_names,
@@ -80,6 +88,11 @@ class KVStager:
         self._gather = jax.jit(lambda k, v, idx: (k[:, idx], v[:, idx]),
                                out_shardings=(self.local_sharding, self.local_sharding))
         self._write = jax.jit(_write, donate_argnums=(0,), out_shardings=self.stage_sharding)
+
+    def like(self, mesh) -> "KVStager":
+        """A stager of the same capacity and dtype on another mesh (the stream trainer's freed devices)."""
+        cfg, capacity, dtype = self._made
+        return KVStager(cfg, mesh, capacity, dtype)
 
     def stage(self, seqs) -> list[int]:
         """Write each `SequenceKV` (this process's) into the buffers (from offset 0: a new step); returns their

@@ -139,7 +139,7 @@ class RolloutSide:
                     if drop_equal and np.all(rewards == rewards[0]):
                         return           # dynamic sampling drops it after the round (a long round's filter)
                     adv = rl.advantages(cfg, rewards, [len(c.tokens) for c in comps])
-                    on_group([Sample(prompts[p], c.tokens, a) for c, a in zip(comps, adv)])
+                    on_group([Sample(prompts[p], c.tokens, a, kv=c.kv) for c, a in zip(comps, adv)])
                 hooks["on_group"] = group
             if self.stream:              # milestone checks after each engine step (may free half the devices)
                 hooks["on_step"] = lambda finished, total: self.stream.on_progress(self.svc, finished, total,

@@ -62,6 +62,7 @@ from sharding import Layout, ShardingRules, reshard, shardings_for
 from .batch import FIELDS, Sample
 from .distributed import global_sum
 from .grad_stream import ROWS, GradientStream, warm_sum
+from .rollout_kv import export_pages
 from .shrink import ShrinkPlan, freed_instances, milestone_due, shrink_plan, take_shrink
 from .update import Updater
 
@@ -80,14 +81,14 @@ class StreamTrainer:
     See the module docstring; `metrics` keys are under `stream/`."""
 
     def __init__(self, cfg, stream: StreamSection, model_cfg, spec, updater: Updater, mesh, *, pack_len: int,
-                 mb_rows: int):
+                 mb_rows: int, stager=None):
         check_stream(stream, cfg)
         if cfg.algo.mini_batches != 1:      # also when disabled: `finish` is one update per rollout batch
             raise ConfigError("algo.mini_batches", f"{cfg.algo.mini_batches}: the stream trainer applies one "
                               "update per rollout batch; set 1")
         self.cfg, self.stream, self.model_cfg, self.spec, self.updater = cfg, stream, model_cfg, spec, updater
         self.mesh, self.pack_len, self.mb_rows = mesh, pack_len, mb_rows
-        self.gs = GradientStream(cfg, spec, updater, mesh, pack_len=pack_len, mb_rows=mb_rows)
+        self.gs = GradientStream(cfg, spec, updater, mesh, pack_len=pack_len, mb_rows=mb_rows, stager=stager)
         self.train_rows = self.gs.train_rows
         self.history: collections.deque = collections.deque(maxlen=stream.history)
         self._subs: dict[tuple, _SubMesh] = {}
@@ -250,7 +251,10 @@ class StreamTrainer:
             if self.spec.kl_coef:
                 self.updater.cache.compile("logp", self.updater.logp, lora.base(p),    # (LoRA: the base)
                                            {k: smb[k] for k in FIELDS})
-            self.updater.warm_accumulate(p, smb)
+            stager = self.gs.stager_for(sub.rows)      # kv_source=rollout: the staging writes and gather there
+            if stager is not None:
+                stager.warm(*export_pages(self.cfg), self.gs.local_rows, self.gs.row_len)
+            self.updater.warm_accumulate(p, smb, **self.gs.abstract_kv(sub.rows))
         warm_sum(self.gs, params)                 # the final sum's add program
         return self.updater.cache.compiles - before
 

@@ -113,7 +113,7 @@ class Trainer:
         stream = None        # RollPacker: gradients on rollout devices freed mid-rollout, one update
         if t.stream.enabled:
             stream = StreamTrainer(cfg, t.stream, model_cfg, uc.spec, uc.updater, mesh, pack_len=uc.pack_len,
-                                   mb_rows=uc.mb_rows)
+                                   mb_rows=uc.mb_rows, stager=uc.stager)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         sk = cfg.rollout.skew
         svc = RolloutService.from_config(cfg.engine, model_cfg, params, devices=gen_devices,
@@ -123,10 +123,9 @@ class Trainer:
         worker = gstream = self.balance = None
         if cfg.placement == "disaggregated":     # the train pool's thread; streamed gradients (one process)
             worker = TrainWorker(timeline)
-            if not (t.async_steps or jax.process_count() > 1 or a.advantage in WHOLE_BATCH_ADVANTAGES
-                    or rl.uses_rollout_kv(cfg)):      # (the rollout K/V are staged for the whole batch at once)
+            if not (t.async_steps or jax.process_count() > 1 or a.advantage in WHOLE_BATCH_ADVANTAGES):
                 gstream = GradientStream(cfg, uc.spec, uc.updater, mesh, pack_len=uc.pack_len, mb_rows=uc.mb_rows,
-                                         executor=worker)
+                                         executor=worker, stager=uc.stager)
             if cfg.stage_balance.scale_up:
                 self.balance = ScaleUp(cfg.stage_balance, cfg.engine.tp)
         rs = RolloutSide(cfg, self.tokenizer, self.dataset, svc, policy, rewards,

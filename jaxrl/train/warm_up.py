@@ -21,6 +21,7 @@ from .batch import FIELDS, INT_FIELDS
 from .context import UpdateContext
 from .critic import Critic
 from .grad_stream import warm_sum
+from .rollout_kv import export_pages
 from .rollout_side import RolloutSide
 
 
@@ -44,9 +45,7 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
         mb, extra = micro_batch_abstract(uc), {}
         if uc.stager:          # the rollout K/V path: staging writes, the packed gather, the block step on it
             row_len = uc.updater.padded_len(uc.pack_len)
-            ps = cfg.engine.page_size
-            max_pages = -(-(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) // ps)
-            uc.stager.warm(ps, max_pages, uc.mb_rows, row_len)
+            uc.stager.warm(*export_pages(cfg), uc.mb_rows, row_len)
             extra["kv"] = uc.stager.abstract(uc.mb_rows, row_len)
         n += uc.updater.warm(pol.params, pol.opt_state, mb,
                              logp_params=[pol.ref_params] if pol.ref_params is not None else [], **extra)
