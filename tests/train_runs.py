@@ -198,11 +198,12 @@ WARM_SKEW = ["rollout.skew.enabled=true", "rollout.skew.ranker.train_steps=20", 
 # live. The 1-process runs save every step: test_ppo_resume_restores_the_critic resumes from checkpoint 2.
 PPO = ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "steps=3",
        "rewards.fn=tests.dense_reward:score"]
+# RollPacker's stream trainer with a reference (its copy on the freed devices is the collective kind)
+STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo.kl_coef=0.05"]
 # GRPO: 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is the
 # same chain of nodes), repartitioned by tokens; PPO on 2 processes, also repartitioned. Each shares its
 # 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
-# RollPacker's stream trainer with a reference (its copy on the freed devices is the collective kind)
-STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo.kl_coef=0.05"]
+# The stream trainer: 2 processes and 4 (each frees its own instances, streams its own groups).
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2),
          "stream_two": (STREAM, 2), "stream_four": (STREAM, 4)}

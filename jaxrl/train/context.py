@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl.config.train import TrainConfig
@@ -48,6 +50,13 @@ class Policy:
     def ref_params(self, value):
         if not self.lora:
             self._ref = value
+
+    def start_reference(self) -> None:
+        """The reference policy RL compares against (algo.kl_coef > 0), when it has none yet: the weights RL
+        starts from (after the warm start). A copy, because the update donates (and so deletes) the live
+        params; with LoRA the base is the reference, nothing to copy."""
+        if self.ref_params is None:
+            self.ref_params = jax.tree.map(jnp.copy, self.params)
 
     def state(self) -> dict:
         """What a checkpoint saves of it."""

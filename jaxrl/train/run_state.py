@@ -2,6 +2,7 @@
 
     save(ckpt, step, cfg, policy, critic, rollout, rewards)
     step = restore(ckpt, cfg, policy, critic, rollout, rewards)     # None: nothing usable, start fresh
+    export(run_dir, cfg, model_cfg, policy, tokenizer)             # the end: Hugging Face (and PEFT) files
 
 Arrays (the checkpoint's state): the policy's params and opt_state (with LoRA: the adapters and theirs), the
 reference weights when kl_coef is set (not with LoRA: the base is the reference), PPO's critic. Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
@@ -11,11 +12,15 @@ rollout) and the reward scheduler's adaptive timeouts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 
 from jaxrl.config import to_yaml
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards import RewardScheduler
+from models import save_hf
+from models.peft_io import save_peft
 
 from .checkpoint import CheckpointManager
 from .context import Policy
@@ -62,3 +67,11 @@ def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: C
     if "reward_scheduler" in meta:
         rewards.load_state_dict(meta["reward_scheduler"])
     return int(meta["step"])
+
+
+def export(run_dir, cfg: TrainConfig, model_cfg, policy: Policy, tokenizer) -> None:
+    """The run's final weights as a Hugging Face checkpoint in RUN_DIR/hf (with LoRA: merged) and, with LoRA,
+    the adapter alone as PEFT files in RUN_DIR/adapter."""
+    save_hf(Path(run_dir) / "hf", model_cfg, policy.params, tokenizer=tokenizer)
+    if policy.lora:
+        save_peft(Path(run_dir) / "adapter", model_cfg, policy.params, base_model=cfg.model.hf_path)

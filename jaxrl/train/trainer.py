@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from tqdm import tqdm
 
 from jaxrl.config.train import WHOLE_BATCH_ADVANTAGES, TrainConfig
@@ -37,8 +36,8 @@ from jaxrl.flow import Flow, GraphError, SampleBuffer, StepData, TrainContext
 from jaxrl.rewards import RewardPool, RewardScheduler, check_rewards, reward_names
 from jaxrl.rollout import RolloutService
 from jaxrl.runtime import CompileCounter
-from models import load_tokenizer, logical_axes, lora, save_hf
-from models.peft_io import load_weights, save_peft
+from models import load_tokenizer, logical_axes, lora
+from models.peft_io import load_weights
 from sharding import ShardingRules, padded_vocab_for, shardings_for
 
 from . import rl, run_state
@@ -251,10 +250,8 @@ class Trainer:
         try:
             self.warm_start()
             pol, critic = self.policy, self.train.critic
-            if self.cfg.algo.kl_coef and pol.ref_params is None:
-                # The reference policy: the weights RL starts from (after the warm start). A copy, because
-                # the train step donates (and so deletes) the live params.
-                pol.ref_params = jax.tree.map(jnp.copy, pol.params)
+            if self.cfg.algo.kl_coef:
+                pol.start_reference()
             if critic is not None and critic.params is None:    # PPO: the critic starts from the policy
                 critic.init(pol.params)
             if not self.resumed and self.step == 0:
@@ -279,11 +276,8 @@ class Trainer:
                 if (cfg.save_every is not None and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                     self._save()
             bar.close()
-            if cfg.export_hf:        # (merged, with LoRA; and the adapter alone as PEFT files)
-                save_hf(self.run_dir / "hf", self.update.model_cfg, self.policy.params, tokenizer=self.tokenizer)
-                if self.policy.lora:
-                    save_peft(self.run_dir / "adapter", self.update.model_cfg, self.policy.params,
-                              base_model=cfg.model.hf_path)
+            if cfg.export_hf:
+                run_state.export(self.run_dir, cfg, self.update.model_cfg, self.policy, self.tokenizer)
         except BaseException:
             if self.step == 0 and not self.resumed:
                 self.profiler.close()
