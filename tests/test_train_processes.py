@@ -2,9 +2,12 @@
 token repartition, PPO's critic, the disaggregated pools, the all-mechanisms recipes; PPO's resume and its
 blockwise backward against the shared 1-process PPO run."""
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -128,19 +131,40 @@ def test_all_mechanisms_recipes_run(tmp_path):
     """configs/all_mechanisms.yaml (2 processes: tail batching + dynamic sampling, skew placement, the planner,
     the blockwise backward, token repartition) and its disaggregated one-step-async variant, at the tiny size,
     side by side: every mechanism's metrics show that it acted. The length ranker starts from the committed
-    quickstart's pairs (its warm start), so skew placement is live from step 0. (That the recipe learns is
-    measured at quickstart size by scripts/bench_recipes.py, not here.)"""
-    two, asy = tmp_path / "two", tmp_path / "async"
-    small = [*TINY, "steps=3", "save_every=null", "export_hf=false", *WARM_SKEW[1:]]
-    procs = [subprocess.Popen([str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train",
-                               "--config", str(ROOT / "configs" / "all_mechanisms.yaml"), f"run_dir={two}", *small],
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen([sys.executable, "-m", "jaxrl.train", "--config",
-                               str(ROOT / "configs" / "all_mechanisms_async.yaml"), f"run_dir={asy}", *small],
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    quickstart's pairs (its warm start), so skew placement is live from step 0. Beside them the 2-process
+    recipe runs again, is killed (SIGKILL, both processes) once checkpoint 2 exists, and its relaunch resumes
+    to the uninterrupted run's weights bit for bit. (That the recipe learns is measured at quickstart size by
+    scripts/bench_recipes.py, not here.)"""
+    two, asy, killed = tmp_path / "two", tmp_path / "async", tmp_path / "killed"
+    small = [*TINY, "steps=3", "export_hf=false", *WARM_SKEW[1:]]
+
+    def recipe(run_dir, **kw):
+        cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", "--config",
+               str(ROOT / "configs" / "all_mechanisms.yaml"), f"run_dir={run_dir}", *small, "save_every=1"]
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), text=True, **kw)
+
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    procs = [recipe(two, **out),
+             subprocess.Popen([sys.executable, "-m", "jaxrl.train", "--config", str(ROOT / "configs" /
+                               "all_mechanisms_async.yaml"), f"run_dir={asy}", *small, "save_every=null"],
+                              cwd=ROOT, env=_env(), text=True, **out)]
+    victim = recipe(killed, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 900
+    while not (killed / "checkpoints" / "2").exists():
+        assert victim.poll() is None and time.time() < deadline, "the recipe ended or stalled before step 2 was saved"
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)          # the launcher and both of its processes
+    victim.wait()
     for p in procs:
-        out = p.communicate(timeout=900)[0]
-        assert p.returncode == 0, out[-6000:]
+        log = p.communicate(timeout=900)[0]
+        assert p.returncode == 0, log[-6000:]
+    resumed = recipe(killed, **out)
+    log = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0 and "resumed" in log, log[-6000:]
+    assert [r["step"] for r in _metrics(killed)][-1] == 2
+    for key in ("params", "opt_state"):      # (the newest checkpoints: step 3's, the runs' ends)
+        for a, b in zip(_checkpoint_leaves(two, key), _checkpoint_leaves(killed, key)):
+            np.testing.assert_array_equal(a, b)
     for run in (two, asy):
         rows = _metrics(run)
         assert len(rows) == 3
