@@ -26,7 +26,8 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     global) and, with DAPO dynamic sampling, on the dropped groups and the waves. ppo_two_balanced: the
     critic, GAE and the reward's KL on 2 processes. stream_two / stream_four: RollPacker's stream trainer,
     each process freeing half of its own instances at its own milestones and streaming its own groups'
-    gradients there; the early sums meet over processes at the update."""
+    gradients there; the early sums meet over processes at the update. stream_kv_two: with the blockwise
+    backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's freed devices)."""
     extra, procs = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
@@ -51,6 +52,7 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
         assert [r[k] for r in m1] == [r[k] for r in m2], k      # the same rollouts
     if mode.startswith("stream"):      # (counts summed over processes: shrunk = how many pools shrank)
         assert all(r["stream/shrunk"] >= 1 for r in m1 + m2) and sum(r["stream/groups_early"] for r in m2) > 0
+        assert "kv" not in mode or all(r["blockwise/blocks"] > 0 for r in m2)
         assert sum(r["stream/groups_early"] + r["stream/groups_late"] for r in m2) == 2 * 8
         for k in ("loss", "grad_norm", "kl"):
             np.testing.assert_allclose([r[k] for r in m2], [r[k] for r in m1], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -203,10 +203,12 @@ STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo
 # GRPO: 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is the
 # same chain of nodes), repartitioned by tokens; PPO on 2 processes, also repartitioned. Each shares its
 # 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
-# The stream trainer: 2 processes and 4 (each frees its own instances, streams its own groups).
+# The stream trainer: 2 processes and 4 (each frees its own instances, streams its own groups); with MetroRLHF's
+# blockwise backward on the rollout's K/V (each process's streamed blocks planned on its own).
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2),
-         "stream_two": (STREAM, 2), "stream_four": (STREAM, 4)}
+         "stream_two": (STREAM, 2), "stream_four": (STREAM, 4),
+         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"], 2)}
 COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
           "critic.optim.eps=1e-3"]
 _ONE_PROCESS_RUNS = {}

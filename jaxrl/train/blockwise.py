@@ -104,7 +104,8 @@ def plan_blocks(has_loss, block: int, window: int | None, layers: int) -> list[i
 
 def blocks_with_loss(loss_mask, block: int) -> np.ndarray:
     """[n_blocks] bool: which blocks hold a loss token in any row, over every process's rows (the plan
-    must be the same in every process: they all run the same program)."""
+    must be the same in every process: they all run the same program). A micro-batch on this process's own
+    devices (the stream trainer's, several processes) is planned alone: no other process runs it."""
     P = loss_mask.shape[1]
     n = -(-P // block)
     local = np.zeros(n, bool)
@@ -115,7 +116,8 @@ def blocks_with_loss(loss_mask, block: int) -> np.ndarray:
         for i in range(n):
             lo, hi = max(i * block - start, 0), max((i + 1) * block - start, 0)
             local[i] |= bool(m[:, lo:hi].any())
-    if jax.process_count() > 1:      # (the update's own stream of agreements: it may run on the train pool's thread)
+    if jax.process_count() > 1 and not loss_mask.is_fully_addressable:   # (the update's own stream of agreements:
+                                                                          # it may run on the train pool's thread)
         local = allgather(local, tag="update").any(axis=0)
     return local
 
