@@ -280,7 +280,7 @@ DECISIONS = {   # mechanism module -> the decision functions and classes the sim
     "jaxrl/rollout/tp_switch.py": ["AdaptiveTP"],
     "jaxrl/rollout/skew.py": ["plan_placement", "choose_split", "split_long"],
     "jaxrl/rollout/migration.py": ["attach", "deal", "attach_dealt"],
-    "jaxrl/train/stream.py": ["milestone_due", "plan_shrink", "projected_lengths", "peak_pages", "shrink_plan",
+    "jaxrl/train/shrink.py": ["milestone_due", "plan_shrink", "projected_lengths", "peak_pages", "shrink_plan",
                               "take_shrink"],
     "jaxrl/train/balance.py": ["best_split", "scale_up_due"],
     "jaxrl/train/rounds.py": ["tail_round"],
@@ -317,11 +317,11 @@ def test_every_decision_is_imported_not_copied():
     import jaxrl.sim.engine as engine
     import jaxrl.sim.run as run
     from jaxrl.rollout import instance, planner, scheduler, tail_batching
-    from jaxrl.train import rl, rounds, stream
+    from jaxrl.train import rl, rounds, shrink
 
     assert issubclass(engine.SimInstance, instance.Instance) and engine.SimInstance.launch is instance.Instance.launch
     assert engine.SimInstance.collect is instance.Instance.collect and engine.Scheduler is scheduler.Scheduler
     assert run.TailBatcher is tail_batching.TailBatcher and run.tail_round is rounds.tail_round
-    assert run.TPPlanner is planner.TPPlanner and run.rl is rl and run.shrink_plan is stream.shrink_plan
-    assert run.milestone_due is stream.milestone_due and run.take_shrink is stream.take_shrink
+    assert run.TPPlanner is planner.TPPlanner and run.rl is rl and run.shrink_plan is shrink.shrink_plan
+    assert run.milestone_due is shrink.milestone_due and run.take_shrink is shrink.take_shrink
     assert tp_switch.AdaptiveTP.after_step.__module__ == "jaxrl.rollout.tp_switch"
