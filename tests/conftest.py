@@ -28,6 +28,7 @@ enable_compilation_cache()
 
 import gc  # noqa: E402
 import resource  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -73,8 +74,8 @@ def _release_executables():
         gc.collect()
 
 
-# CPU seconds per test: this process's threads and every process the test started and waited for (its train
-# runs, launch_local's processes). On two workers sharing two cores a test's wall time depends on what the other
+# CPU seconds per test: this process's threads, every process the test started and waited for (its train
+# runs, launch_local's processes) and what the worker's run servers used meanwhile (tests/run_server.py). On two workers sharing two cores a test's wall time depends on what the other
 # worker runs at the time; its CPU time does not. Listed at the end of a run ("most CPU"), longest first, as
 # many as --durations asks (0: all), and read by scripts/suite_time.py.
 _CPU_START: dict[str, float] = {}
@@ -83,7 +84,8 @@ _CPU_BY_TEST: dict[str, float] = {}
 
 def _cpu_s() -> float:
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    runs = sys.modules.get("tests.train_runs")          # its live run servers (tests/run_server.py)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + (runs.served_cpu_s() if runs else 0.0)
 
 
 def pytest_runtest_logstart(nodeid, location):

@@ -1,11 +1,13 @@
 """Shared by the train-run tests: the tiny settings, how a run is started and how its outputs are read.
 
 `_train` runs `python -m jaxrl.train`'s `main()` in this process when the run uses the test worker's 8 fake
-devices (the imports and the executables earlier runs in this worker built are reused), else as a fresh
-process with the run's own device count. A run that must be a real process (killed with SIGKILL, several
-processes, its own environment) goes through `_train_subprocess` or `scripts/launch_local.sh`.
+devices (the imports and the executables earlier runs in this worker built are reused), else in a run server
+with the run's own device count (tests/run_server.py: a long-lived process that does the same for the runs
+with that count). A run that must be a real process (killed with SIGKILL, several processes, environment
+variables of its own) is started as one: `kill_and_resume`, `_train_together`, `scripts/launch_local.sh`.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import io
@@ -45,19 +47,24 @@ class Finished:
     stderr: str
 
 
-def _in_this_process(args) -> bool:
-    """Whether a run of `args` (TINY included) uses exactly this process's devices. A run that needs fewer
-    starts a fresh process with that many: XLA:CPU rounds some reductions differently with another device
-    count in the process (measured: the default 1-device run's step-0 gradient norm 1.23e-9 in a 1- or
-    2-device process, 2.26e-9 in an 8-device one), and the goldens and kill/resume twins compare bits."""
+def _devices(args) -> int | None:
+    """The devices a run of `args` (TINY included) uses in its process; None for a run with `--` flags."""
     from jaxrl.config import CONFIGS_DIR, load_config
     from jaxrl.config.train import TrainConfig
     from jaxrl.train.__main__ import _flags, local_devices
 
     argv, _ = _flags(list(args))
     if any(a.startswith("--") for a in argv):
-        return False
-    return local_devices(load_config(TrainConfig, argv, CONFIGS_DIR / "quickstart.yaml")) == jax.local_device_count()
+        return None
+    return local_devices(load_config(TrainConfig, argv, CONFIGS_DIR / "quickstart.yaml"))
+
+
+def _in_this_process(args) -> bool:
+    """Whether a run of `args` (TINY included) uses exactly this process's devices. A run that needs fewer
+    runs in a process with that many (`_served`): XLA:CPU rounds some reductions differently with another
+    device count in the process (measured: the default 1-device run's step-0 gradient norm 1.23e-9 in a 1- or
+    2-device process, 2.26e-9 in an 8-device one), and the goldens and kill/resume twins compare bits."""
+    return _devices(args) == jax.local_device_count()
 
 
 def _command(run_dir, *extra) -> list[str]:
@@ -86,7 +93,55 @@ def _train_here(args) -> Finished:
     return Finished(out.getvalue(), err.getvalue())
 
 
+# Long-lived run processes (tests/run_server.py), by (device count, environment variables changed): at most
+# MAX_SERVERS alive per test worker, the least recently used closed first (each holds its executables).
+SERVED_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS"}     # the only variables a served run may change
+MAX_SERVERS = 2
+_SERVERS: dict = {}
+
+
+def served_cpu_s() -> float:
+    """CPU seconds the live run servers have used (tests/conftest.py adds them to each test's CPU time)."""
+    return sum(server.cpu_s() for server in _SERVERS.values())
+
+
+@atexit.register
+def _close_servers():
+    while _SERVERS:
+        _SERVERS.popitem()[1].close()
+
+
+def _server(args, env=None):
+    """The run server for a run of `args` with `env` (its device count, the variables it changes), started
+    if need be; None where the run must be a fresh process (`--` flags, other environment variables)."""
+    from tests.run_server import RunServer
+
+    base = _env()
+    changed = {k: v for k, v in (env or {}).items() if base.get(k) != v}
+    devices = _devices(args)
+    if devices is None or not set(changed) <= SERVED_ENV:
+        return None
+    key = (devices, tuple(sorted(changed.items())))
+    server = _SERVERS.pop(key, None)
+    if server is None or not server.alive():
+        idle = [k for k, s in _SERVERS.items() if not s.pending]        # (least recently used first)
+        for k in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
+            _SERVERS.pop(k).close()
+        server = RunServer(devices, {**base, **changed})
+    _SERVERS[key] = server                  # (most recently used last)
+    return server
+
+
+def _finished(reply) -> Finished:
+    code, out, err = reply
+    assert code == 0, out[-3000:] + err[-3000:]
+    return Finished(out, err)
+
+
 def _train_subprocess(run_dir, *extra, timeout=600, env=None):
+    server = _server(_command(run_dir, *extra)[3:], env)
+    if server is not None:
+        return _finished(server.run(_command(run_dir, *extra)[3:], timeout))
     p = subprocess.run(_command(run_dir, *extra), cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -94,17 +149,17 @@ def _train_subprocess(run_dir, *extra, timeout=600, env=None):
 
 
 def _train_together(*runs, timeout=600):
-    """`_train` for each (run_dir, *extra): the fresh processes started first and run while the runs that
-    fit this process run here, one after the other."""
-    commands = [_command(*run) for run in runs]
-    here = [cmd[3:] for cmd in commands if _in_this_process(cmd[3:])]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands if cmd[3:] not in here]
-    for args in here:
-        _train_here(args)
-    for p in procs:
-        out = p.communicate(timeout=timeout)[0]
-        assert p.returncode == 0, out[-6000:]
+    """`_train` for each (run_dir, *extra): the runs for other device counts handed to their run servers
+    first, which run them while the runs that fit this process run here, one after the other."""
+    args = [_command(*run)[3:] for run in runs]
+    here = [a for a in args if _in_this_process(a)]
+    served = [(_server(a), a) for a in args if a not in here]
+    for server, a in served:
+        server.send(a)
+    for a in here:
+        _train_here(a)
+    for server, a in served:
+        _finished(server.receive(timeout))
 
 
 def _params(run_dir):
