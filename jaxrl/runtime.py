@@ -34,7 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.monitoring
-from jax._src import cache_key
+from jax._src import cache_key, compilation_cache, compiler, distributed, monitoring
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -65,8 +65,6 @@ def _compile_once() -> None:
     holder, on this host, is dead), then reads the entry and compiles only if there is none (a program
     faster to compile than the cache's minimum is not written). A waiter holds no lock, and a holder waits
     for nothing while it compiles, so processes cannot deadlock on each other's locks."""
-    from jax._src import compiler, monitoring
-
     if getattr(compiler._compile_and_write_cache, "_jaxrl_once", False):
         return
     compile_and_write = compiler._compile_and_write_cache
@@ -107,8 +105,6 @@ def _compile_and_write_any_process(compile_and_write, backend, computation, exec
     """JAX's compile-and-write, the entry written by any process: JAX writes only process 0's (against
     write contention on remote filesystems; the lock above is for local ones), which left the others, when
     they won the lock, compiling for nothing."""
-    from jax._src import compilation_cache, distributed
-
     start = time.monotonic()
     executable = compile_and_write(backend, computation, executable_devices, compile_options, host_callbacks,
                                    module_name, cache_key)
