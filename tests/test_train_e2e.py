@@ -6,13 +6,12 @@ test_train_processes.py; separate pools, the stream trainer, one-step-async: tes
 
 import hashlib
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.train_runs import DEFAULT_OPT, DYNAMIC, ROOT, TAIL, _env, _metrics, _params, _train, _train_together
+from tests.train_runs import (DEFAULT_OPT, DYNAMIC, ROOT, TAIL, _metrics, _params, _train, _train_together,
+                              run_main)
 
 
 # tests/golden/flow_default.json's metrics on a CPU other than the one that recorded them: XLA:CPU compiles for
@@ -106,10 +105,8 @@ def test_ppo_learns_on_the_quickstart_task(tmp_path):
     over steps 0-9 -> 0.161 over steps 30-39; the full 250-step quickstart in the README. At XLA's default
     level, as the quickstart tests after it: they load the policy's executables it compiled (and at level 0
     its 40 steps ran slower: 281 s against 244 s in the suite)."""
-    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "algo.advantage=gae", "steps=40",
-           "algo.prompts_per_step=16", "save_every=null", "export_hf=false"]
-    p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **DEFAULT_OPT}, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_main([f"run_dir={tmp_path}", "algo.advantage=gae", "steps=40", "algo.prompts_per_step=16", "save_every=null",
+              "export_hf=false"], timeout=900, env=DEFAULT_OPT)
     rows = _metrics(tmp_path)
     first, last = rows[:10], rows[-10:]
     mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
@@ -133,10 +130,8 @@ def test_quickstart_metrics_unchanged(tmp_path, backward):
     response lengths vary step to step). With trainer.backward=blockwise too (rollout K/V), which
     also reports the blocks it ran."""
     golden = json.loads((ROOT / "tests" / "golden" / "quickstart_short.json").read_text())
-    cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={tmp_path}", "steps=6", "warm_start.steps=10",
-           "save_every=null", "export_hf=false", *BACKWARD[backward]]
-    p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **DEFAULT_OPT}, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_main([f"run_dir={tmp_path}", "steps=6", "warm_start.steps=10", "save_every=null", "export_hf=false",
+              *BACKWARD[backward]], timeout=900, env=DEFAULT_OPT)
     rows = _metrics(tmp_path)
     assert len(rows) == len(golden["steps"])
     exact = ("reward_mean", "pass_rate", "response_len_mean", "response_len_max")     # the same rollouts

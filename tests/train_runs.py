@@ -139,11 +139,17 @@ def _finished(reply) -> Finished:
 
 
 def _train_subprocess(run_dir, *extra, timeout=600, env=None):
-    server = _server(_command(run_dir, *extra)[3:], env)
+    return run_main(_command(run_dir, *extra)[3:], timeout=timeout, env=env)
+
+
+def run_main(args, timeout=600, env=None):
+    """`python -m jaxrl.train ARGS` (TINY not added) to completion, outside this process: in the run server
+    for its device count and `env` where it can be served, else as a fresh process."""
+    server = _server(args, env)
     if server is not None:
-        return _finished(server.run(_command(run_dir, *extra)[3:], timeout))
-    p = subprocess.run(_command(run_dir, *extra), cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
-                       text=True, timeout=timeout)
+        return _finished(server.run(args, timeout))
+    p = subprocess.run([sys.executable, "-m", "jaxrl.train", *args], cwd=ROOT, env={**_env(), **(env or {})},
+                       capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
