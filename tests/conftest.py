@@ -26,7 +26,6 @@ from jaxrl.runtime import enable_compilation_cache  # noqa: E402
 # every device group it runs on (a TP1 rollout instance per device compiles each bucket once, not 8 times)
 enable_compilation_cache()
 
-import gc  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
 
@@ -52,26 +51,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], len(rank)))   # stable
 
 
-def _mappings() -> int:
-    try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
-    except OSError:              # not Linux: no limit to watch
-        return 0
-
-
 @pytest.fixture(autouse=True)
 def _release_executables():
-    """Free compiled executables once they hold too many memory mappings. Each XLA:CPU executable holds
-    several (about 30 with 8 devices) and a process may have 65530 (vm.max_map_count); the whole suite
-    in one process compiles enough to exceed that, and LLVM then aborts a compilation."""
+    """Free compiled executables once they hold too many memory mappings (`tests.run_server.release_executables`:
+    the whole suite in one process would exceed the kernel's limit and LLVM abort a compilation)."""
     yield
-    if _mappings() > 20000:
-        from jaxrl.rollout import CACHE
+    from tests.run_server import release_executables
 
-        CACHE.clear()
-        jax.clear_caches()
-        gc.collect()
+    release_executables()
 
 
 # CPU seconds per test: this process's threads, every process the test started and waited for (its train

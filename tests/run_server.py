@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_MAPPINGS = 20000        # as tests/conftest.py: free the executables before vm.max_map_count is near
+MAX_MAPPINGS = 20000        # free the executables well before vm.max_map_count (65530) is near
 
 
 class RunServer:
@@ -88,8 +88,27 @@ class RunServer:
 
 
 def _mappings() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:              # not Linux: no limit to watch
+        return 0
+
+
+def release_executables() -> None:
+    """Free this process's compiled executables once they hold too many memory mappings. Each XLA:CPU
+    executable holds several (about 30 with 8 devices) and a process may have 65530 (vm.max_map_count); a
+    test worker or run server that compiles long enough exceeds that, and LLVM then aborts a compilation."""
+    if _mappings() > MAX_MAPPINGS:
+        import gc
+
+        import jax
+
+        from jaxrl.rollout import CACHE
+
+        CACHE.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 class _CurrentStderr(io.TextIOBase):
@@ -131,14 +150,7 @@ def serve(devices: int) -> None:
                 code = 1
         replies.write(json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}) + "\n")
         replies.flush()
-        if _mappings() > MAX_MAPPINGS:
-            import gc
-
-            from jaxrl.rollout import CACHE
-
-            CACHE.clear()
-            jax.clear_caches()
-            gc.collect()
+        release_executables()
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def _devices(args) -> int | None:
 
 def _in_this_process(args) -> bool:
     """Whether a run of `args` (TINY included) uses exactly this process's devices. A run that needs fewer
-    runs in a process with that many (`_served`): XLA:CPU rounds some reductions differently with another
+    runs in a process with that many (`_server`): XLA:CPU rounds some reductions differently with another
     device count in the process (measured: the default 1-device run's step-0 gradient norm 1.23e-9 in a 1- or
     2-device process, 2.26e-9 in an 8-device one), and the goldens and kill/resume twins compare bits."""
     return _devices(args) == jax.local_device_count()
@@ -124,6 +124,8 @@ def _server(args, env=None):
     key = (devices, tuple(sorted(changed.items())))
     server = _SERVERS.pop(key, None)
     if server is None or not server.alive():
+        if server is not None:
+            server.close()                  # (a server that died: reaped, its CPU counted)
         idle = [k for k, s in _SERVERS.items() if not s.pending]        # (least recently used first)
         for k in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
             _SERVERS.pop(k).close()
