@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -30,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench_adaptive_tp as B  # noqa: E402
+import bench_adaptive_tp as B  # noqa: E402  (asks for 8 CPU devices)
 from jaxrl.config.generate import EngineSection  # noqa: E402
 from jaxrl.rollout.adaptive_tp import Predictor, Profile  # noqa: E402
 from jaxrl.rollout.profile import measure_layout, shape_grid  # noqa: E402

@@ -22,14 +22,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jaxrl.runtime import request_cpu_devices  # noqa: E402
+
+request_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 

@@ -38,7 +38,6 @@ print(json.dumps(counter.take()))
 def _compile_twice(tmp_path, lock: str) -> list[dict]:
     cache, start = tmp_path / f"cache_{lock}", tmp_path / f"start_{lock}"
     env = {**os.environ, "JAXRL_COMPILE_LOCK": lock, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(cache), str(start)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:

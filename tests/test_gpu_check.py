@@ -25,7 +25,6 @@ from gpu_check_report import markdown, summary  # noqa: E402
 
 def _run(args, timeout=900) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)          # a bench script imported earlier in this session may have set 8 devices
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

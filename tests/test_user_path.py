@@ -54,7 +54,6 @@ def user(tmp_path_factory):
 
 def _run(user, run_dir, *args, check=True):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{user / 'rewards'}{os.pathsep}{ROOT}")
-    env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxrl.train", f"run_dir={run_dir}", f"model.hf_path={user / 'model'}", *SMALL, *args]
     p = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=600)
     if check:

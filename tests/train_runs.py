@@ -30,12 +30,11 @@ TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=
         "engine.max_seq_len=128", "data.max_prompt_len=96",
         "trainer.warmup=false"]   # 1-3 step runs use few shapes; the quickstart test covers the warm-up
 PARAM_ATOL_F32 = 1e-5
-DEFAULT_OPT = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}   # XLA's default optimisation level (tests/conftest.py)
+DEFAULT_OPT = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "XLA_FLAGS": ""}   # XLA's defaults (tests/conftest.py)
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ)          # (XLA_FLAGS included: the suite's compile settings, tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -95,7 +94,7 @@ def _train_here(args) -> Finished:
 
 # Long-lived run processes (tests/run_server.py), by (device count, environment variables changed): at most
 # MAX_SERVERS alive per test worker, the least recently used closed first (each holds its executables).
-SERVED_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS"}     # the only variables a served run may change
+SERVED_ENV = set(DEFAULT_OPT)     # the only variables a served run may change
 MAX_SERVERS = 2
 _SERVERS: dict = {}
 
