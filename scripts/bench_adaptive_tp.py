@@ -43,9 +43,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from jaxrl.runtime import request_cpu_devices  # noqa: E402
-
-request_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
@@ -266,6 +263,9 @@ def plot(out: dict, path: Path) -> None:
 
 
 def main(argv=None):
+    from jaxrl.runtime import request_cpu_devices
+
+    request_cpu_devices(8)          # 8 fake CPU devices (before anything starts JAX's backend)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_adaptive_tp.json"))
     ap.add_argument("--quick", action="store_true")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench_adaptive_tp as B  # noqa: E402  (asks for 8 CPU devices)
+import bench_adaptive_tp as B  # noqa: E402
 from jaxrl.config.generate import EngineSection  # noqa: E402
 from jaxrl.rollout.adaptive_tp import Predictor, Profile  # noqa: E402
 from jaxrl.rollout.profile import measure_layout, shape_grid  # noqa: E402
@@ -41,6 +41,9 @@ OUTPUTS = ("bench_adaptive_tp_predictor.json",)      # what it writes into scrip
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from jaxrl.runtime import request_cpu_devices
+
+    request_cpu_devices(8)          # 8 fake CPU devices (before anything starts JAX's backend)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write (default %(default)s)")
     args = ap.parse_args(argv)

@@ -28,9 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from jaxrl.runtime import request_cpu_devices  # noqa: E402
-
-request_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
@@ -123,6 +120,9 @@ def run_row(cfg, row, model_cfg, weights, workload, profile_path, *, real: bool)
 
 
 def main(argv=None) -> int:
+    from jaxrl.runtime import request_cpu_devices
+
+    request_cpu_devices(8)          # 8 fake CPU devices (before anything starts JAX's backend)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "scripts/results/bench_sim_validation.json"))
     ap.add_argument("--quick", action="store_true")

@@ -3,6 +3,9 @@ grad_step + apply_update == the fused step == the pre-split step (bitwise), grad
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -215,12 +218,30 @@ def _assert_trees_equal(a, b):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("fused_loss", [True, False])
-@pytest.mark.parametrize("kind", list(SPECS))
-def test_fused_step_bitwise_equals_grad_step_sum_apply_update_and_the_pre_split_step(params, kind, fused_loss):
+# XLA:CPU's older fusion emitters, which the suite compiles with (tests/conftest.py), round one program's fused
+# gradient differently from the same sums compiled as two programs (measured: 1 ulp in one element, which Adam
+# then turns into whole steps). Bitwise equality of two programs is the compiler's property, so the bitwise
+# test below runs with XLA's default emitters: in a child pytest when this session uses the older ones.
+DEFAULT_EMITTERS = "--xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", "")
+
+
+def test_fused_step_bitwise_equals_grad_step_sum_apply_update_and_the_pre_split_step(params):
     """grad_step + apply_update == the fused step, bitwise, with either loss path; with the unfused path
     (`token_logprobs` + autodiff, what the pre-split step ran) also bitwise the pre-split step. The fused
     loss path has its own twin test (test_fused_loss_equals_chunked_logprobs_autodiff_on_a_sharded_mesh)."""
+    if not DEFAULT_EMITTERS:
+        name = test_fused_step_bitwise_equals_grad_step_sum_apply_update_and_the_pre_split_step.__name__
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            f"{__file__}::{name}"], env={**os.environ, "XLA_FLAGS": ""}, capture_output=True,
+                           text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+        return
+    for kind in SPECS:
+        for fused_loss in (True, False):
+            _fused_step_bitwise(params, kind, fused_loss)
+
+
+def _fused_step_bitwise(params, kind, fused_loss):
     spec, tx, mb = dataclasses.replace(SPECS[kind], fused_loss=fused_loss), _tx(), 2
     batch, denom = _rl_batch(params)
     assert denom == 1.0
