@@ -334,6 +334,22 @@ def code_rewards() -> str:
               f"all {n} steps.\n\n" + footer("bench_code_rewards.json"))
 
 
+@renders("multiturn")
+def multiturn() -> str:
+    d = load("bench_multiturn.json")
+    rows = []
+    for t, r in sorted(d["turns"].items(), key=lambda kv: int(kv[0])):
+        c, f = r["continuation"], r["reprefill"]
+        rows.append([t, spaced(c["prefilled"]), spaced(f["prefilled"]), f"{r['prefill_ratio']:.2f}×",
+                     f"{c['seconds_median']:.2f}", f"{f['seconds_median']:.2f}", f"{r['speedup']:.2f}×",
+                     "yes" if r["tokens_identical"] else "**no**"])
+    return (table(["turns", "prefilled, continuation", "prefilled, re-prefill", "ratio", "s, continuation",
+                   "s, re-prefill", "speed-up", "same tokens"], "rrrrrrrl", rows)
+            + f"\n\n{d['trajectories']} greedy trajectories of the {d['model']} model: {d['prompt']}-token prompts, "
+              f"{d['gen']} sampled tokens per turn, a {d['obs']}-token observation after each turn but the last; "
+              f"seconds are medians of {d['repeats']} interleaved repeats.\n\n" + footer("bench_multiturn.json"))
+
+
 # --------------------------------------------------------------------------------------------- StreamRL
 
 @renders("lpt")

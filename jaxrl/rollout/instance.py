@@ -47,10 +47,18 @@ class Completion:
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
-    finish_reason: str                    # "stop" | "length" | "abort"
+    finish_reason: str                    # "stop" | "length" | "abort" | "turn" (paused at a turn stop)
     instance: int
     preemptions: int = 0
     kv: SequenceKV | None = None          # return_kv: K/V on the instance's devices (`.numpy()` for host copies)
+    appended: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # observation spans of `tokens`
+
+    def sampled_mask(self) -> list[int]:
+        """1 for each token of `tokens` the model sampled, 0 for an appended (observation) one."""
+        mask = [1] * len(self.tokens)
+        for a, b in self.appended:
+            mask[a:b] = [0] * (b - a)
+        return mask
 
 
 class Instance:
@@ -105,7 +113,25 @@ class Instance:
         return self.sched.load
 
     def has_work(self) -> bool:
+        """Whether stepping would make progress (a sequence paused between turns waits for `add_tokens`)."""
         return bool(self.sched.waiting or self.sched.running or self._inflight or self._ready)
+
+    def add_tokens(self, rid: int, tokens) -> None:
+        """Continue paused sequence `rid` with `tokens` appended (`Scheduler.resume`); a step of it still in
+        flight (overlap) is read back first."""
+        s = self.sched.find(rid)
+        if s is None or not s.paused:
+            raise KeyError(f"request {rid} is not paused at a turn stop on instance {self.index}")
+        if s.pending:
+            self.pause()
+        self.sched.resume(s, tokens)
+
+    def finish(self, rid: int) -> None:
+        """End paused sequence `rid`'s trajectory: its pages return to the pool."""
+        s = self.sched.find(rid)
+        if s is None or not s.paused:
+            raise KeyError(f"request {rid} is not paused at a turn stop on instance {self.index}")
+        self.sched.remove(s)
 
     # ------------------------------------------------------------------ steps
     def warm(self, *, truncate=(False,), export: bool = False) -> int:
@@ -171,9 +197,12 @@ class Instance:
         return [self._retire(s, reason) for s, reason in self.sched.take_tokens(batch.seqs, tok, logp)]
 
     def _retire(self, s: Sequence, reason: str) -> Completion:
+        if reason == "turn":              # paused, pages kept: a snapshot of the trajectory so far
+            return Completion(s.rid, s.prompt, list(s.out), list(s.logprobs), reason, self.index, s.preemptions,
+                              appended=list(s.appended))
         kv = self.kv.export(s.pages, len(s) - 1) if s.params.return_kv else None
         self.sched.retire(s)
-        return Completion(s.rid, s.prompt, s.out, s.logprobs, reason, self.index, s.preemptions, kv)
+        return Completion(s.rid, s.prompt, s.out, s.logprobs, reason, self.index, s.preemptions, kv, s.appended)
 
     # ------------------------------------------------------------------ movable state
     def detach(self, rids, *, keep_kv: bool = True) -> list[SequenceState]:
@@ -187,7 +216,8 @@ class Instance:
     def sequence_stats(self) -> list[dict]:
         """Per live sequence: where it is and how long it is (what schedulers and PAT's predictor read)."""
         rows = []
-        for state, seqs in (("running", self.sched.running), ("waiting", self.sched.waiting)):
+        for state, seqs in (("running", self.sched.running), ("waiting", self.sched.waiting),
+                            ("paused", self.sched.paused)):
             for s in seqs:
                 rows.append({"request_id": s.rid, "instance": self.index, "state": state, "context_len": len(s),
                              "prompt_len": len(s.prompt), "generated": len(s.out), "group": s.group,
@@ -198,7 +228,8 @@ class Instance:
     def stats(self) -> dict:
         sc = self.sched
         return {"instance": self.index, "tp": self.tp, "active_batch": len(sc.running),
-                "waiting": len(sc.waiting), "context_tokens": sum(len(s) for s in sc.running),
+                "waiting": len(sc.waiting), "paused": len(sc.paused), "prefilled_tokens": sc.prefilled,
+                "context_tokens": sum(len(s) for s in sc.running),
                 "pages_used": sc.pool.used, "pages_total": sc.pool.capacity, "preemptions": sc.preemptions,
                 "generated_tokens": sc.generated, "overlapped_steps": self.overlapped,
                 "tokens_per_s": sc.generated / self.busy_s if self.busy_s else 0.0}

@@ -17,6 +17,10 @@ class SamplingParams:
     seed: int = 0
     n: int = 1                        # samples per prompt (share the prompt's KV pages)
     return_kv: bool = False           # attach the sequence's KV cache to the completion
+    # multi-turn: token sequences that end a turn, not the trajectory. The sequence pauses holding its KV
+    # (finish_reason "turn") until `RolloutService.add_tokens` appends an observation and resumes it.
+    turn_stops: tuple[tuple[int, ...], ...] = ()
+    turn_max_tokens: int = 0          # a turn also ends after this many sampled tokens (0: no per-turn limit)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -30,6 +34,23 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stops = tuple(tuple(int(t) for t in stop) for stop in self.turn_stops)
+        if any(not stop for stop in stops):
+            raise ValueError(f"turn_stops={self.turn_stops!r}: each turn stop is a non-empty token sequence")
+        object.__setattr__(self, "turn_stops", stops)
+        if not isinstance(self.turn_max_tokens, int) or self.turn_max_tokens < 0:
+            raise ValueError(f"turn_max_tokens={self.turn_max_tokens!r} must be an int >= 0 (0: no limit)")
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.turn_stops or self.turn_max_tokens)
+
+    def ends_turn(self, out, since: int) -> bool:
+        """Whether the turn whose samples start at index `since` of `out` (after the last observation) is over:
+        `out` ends with a turn stop sampled in it, or it has `turn_max_tokens` samples."""
+        n = len(out) - since
+        return (0 < self.turn_max_tokens <= n
+                or any(n >= len(stop) and tuple(out[len(out) - len(stop):]) == stop for stop in self.turn_stops))
 
     @classmethod
     def from_config(cls, section, *, stop_token_ids=(), seed: int | None = None, n: int | None = None,

@@ -21,6 +21,13 @@ fixed set of executables, all of them at start (`Executor.warm_all`).
 
 A sequence may hold KV pages while waiting (attached with migrated KV when the running batch was full):
 admission then only allocates what it still lacks, and prefill starts at its `computed` position.
+
+Multi-turn: a sequence whose sampled tokens end with one of its `turn_stops` leaves the running set but keeps
+its pages (`paused`: no decode slot). `resume` appends an observation (tool output, a user message) to its
+tokens and queues it at the front: admission then allocates only the pages the new tokens need and prefill
+covers only them (positions [computed, len-1)), so the conversation so far is never recomputed. The
+observation's spans are kept (`appended`): they are context, not samples. A paused sequence's KV is
+preemptible like any other (dropped newest first before a running sequence is preempted; it then recomputes).
 """
 
 from __future__ import annotations
@@ -32,100 +39,10 @@ from collections import deque
 import numpy as np
 
 from .pages import PagePool
-from .params import SamplingParams
+from .sequence import DecodeBatch, PrefillBatch, Sequence, SequenceState
 from .shapes import ShapeBuckets
 
-
-@dataclasses.dataclass(frozen=True)
-class SequenceState:
-    """One live sequence as a value: what it is, how far it got, and where its KV lives.
-
-    `pages` are page ids in the pool of instance `instance` holding the K/V of positions [0, computed)
-    (empty: no KV anywhere, the sequence recomputes it). The sampling position (the index folded into
-    the request's seed for its next token) is `len(tokens)`, so a moved sequence samples exactly what it
-    would have sampled where it was.
-    """
-
-    rid: int
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    seed: int
-    group: int | None
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    preemptions: int = 0
-    computed: int = 0
-    pages: tuple[int, ...] = ()
-    instance: int | None = None
-    priority: float = 0.0                 # LPT admission key (StreamRL: predicted length; larger first)
-
-    @property
-    def context_len(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-    @property
-    def sampling_step(self) -> int:
-        return len(self.tokens)
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """The scheduler's mutable record of a live sequence."""
-
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    group: int | None = None              # shared-prefix group id (None: standalone)
-    out: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0                     # positions whose K/V are in the cache
-    preemptions: int = 0
-    pending: int = 0                      # tokens dispatched but not yet read back (0 or 1)
-    done: bool = False                    # retired or aborted: unread tokens are discarded
-    priority: float = 0.0                 # LPT admission key (larger first); FCFS ignores it
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.out
-
-    def __len__(self):
-        return len(self.prompt) + len(self.out)
-
-    def state(self, instance: int | None = None) -> SequenceState:
-        return SequenceState(self.rid, tuple(self.prompt), self.params, self.seed, self.group, tuple(self.out),
-                             tuple(self.logprobs), self.preemptions, self.computed if self.pages else 0,
-                             tuple(self.pages), instance if self.pages else None, self.priority)
-
-    @classmethod
-    def from_state(cls, st: SequenceState, pages: list[int] | None = None) -> "Sequence":
-        """A record for `st`; with `pages` (ids in the new pool holding its KV) it keeps `st.computed`."""
-        return cls(st.rid, list(st.prompt), st.params, st.seed, st.group, list(st.tokens), list(st.logprobs),
-                   list(pages or []), st.computed if pages else 0, st.preemptions, priority=st.priority)
-
-
-@dataclasses.dataclass
-class PrefillBatch:
-    """One prefill call: row i holds positions start[i] .. start[i]+n_valid[i]-1 of seqs[i]."""
-
-    seqs: list[Sequence]
-    tokens: np.ndarray       # [rows, width] int32
-    start: np.ndarray        # [rows]
-    n_valid: np.ndarray      # [rows]
-    table: np.ndarray        # [rows, max_pages]
-
-
-@dataclasses.dataclass
-class DecodeBatch:
-    """One decode step over `seqs` (rows beyond len(seqs) are padding on the scratch page)."""
-
-    seqs: list[Sequence]
-    tokens: np.ndarray       # [rows] input tokens known on the host
-    positions: np.ndarray    # [rows]
-    src: np.ndarray          # [rows] row of the previous step whose output is the input (-1: use tokens)
-    table: np.ndarray        # [rows, max_pages]
-    sampling: list[tuple[SamplingParams, int, int]]   # (params, seed, step) per real row
+__all__ = ["DecodeBatch", "PrefillBatch", "Scheduler", "SchedulerSnapshot", "Sequence", "SequenceState"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +55,7 @@ class SchedulerSnapshot:
     running: tuple[SequenceState, ...]
     preemptions: int
     generated: int
+    paused: tuple[SequenceState, ...] = ()
 
 
 ORDERS = ("fcfs", "lpt")
@@ -163,7 +81,9 @@ class Scheduler:
                                                    prefill_tokens=self.prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.paused: list[Sequence] = []      # between turns, holding their pages (multi-turn)
         self.preemptions = self.generated = 0
+        self.prefilled = 0                    # prompt/observation positions prefilled (K/V computed by prefill)
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, seqs: list[Sequence]):
@@ -189,11 +109,12 @@ class Scheduler:
         self.batch_cap = int(cap)
 
     def find(self, rid: int) -> Sequence | None:
-        return next((s for s in itertools.chain(self.waiting, self.running) if s.rid == rid), None)
+        return next((s for s in itertools.chain(self.waiting, self.running, self.paused) if s.rid == rid), None)
 
     def remove(self, s: Sequence, *, free: bool = True):
         """Take `s` out of its queue; with `free` its pages return to the pool."""
-        (self.waiting if s in self.waiting else self.running).remove(s)
+        (self.waiting if s in self.waiting else self.paused if s.paused else self.running).remove(s)
+        s.paused = False
         if free:
             self.pool.free(s.pages)
             s.pages = []
@@ -201,11 +122,30 @@ class Scheduler:
 
     @property
     def load(self) -> int:
-        return sum(len(s) for s in itertools.chain(self.waiting, self.running))
+        return sum(len(s) for s in itertools.chain(self.waiting, self.running, self.paused))
 
     @property
     def live(self) -> list[Sequence]:
-        return list(self.running) + list(self.waiting)
+        return list(self.running) + list(self.waiting) + list(self.paused)
+
+    def resume(self, s: Sequence, tokens) -> None:
+        """Append `tokens` (an observation) to paused `s` and queue it to continue, at the front (a trajectory
+        under way goes before new prompts). Its KV is kept: only the new positions are prefilled."""
+        if not s.paused:
+            raise RuntimeError(f"request {s.rid} is not paused at a turn stop")
+        if s.pending:
+            raise RuntimeError(f"request {s.rid} has a token in flight; drain before resuming")
+        tokens = [int(t) for t in tokens]
+        if len(s.out) + len(tokens) >= s.params.max_new_tokens:
+            raise ValueError(f"request {s.rid}: {len(s.out)} tokens after the prompt + {len(tokens)} appended "
+                             f"leaves no room to generate (max_new_tokens={s.params.max_new_tokens})")
+        if tokens:
+            s.appended.append((len(s.out), len(s.out) + len(tokens)))
+            s.out += tokens
+            s.logprobs += [0.0] * len(tokens)
+        self.paused.remove(s)
+        s.paused = s.done = False
+        self.waiting.appendleft(s)
 
     # ------------------------------------------------------------------ one step's plan
     def admit(self) -> list[list[Sequence]]:
@@ -241,7 +181,9 @@ class Scheduler:
         return admitted
 
     def _evict_waiting_kv(self, need: int) -> bool:
-        """Nothing runs and the head cannot fit: drop KV held by waiting sequences (newest first) so it can."""
+        """Nothing runs and the head cannot fit: drop KV held by paused, then waiting sequences (newest first)."""
+        while self.pool.available < need and self._evict_paused():
+            pass
         for s in reversed(self.waiting):
             if self.pool.available >= need:
                 break
@@ -269,6 +211,7 @@ class Scheduler:
                 b.start[i], b.n_valid[i] = s.computed, k
                 b.table[i, :p] = s.pages[:p]
                 s.computed += k
+            self.prefilled += sum(n)
             yield b
 
     def fork(self, group: list[Sequence]) -> list[tuple[int, int]]:
@@ -288,7 +231,21 @@ class Scheduler:
         for g in groups:
             self.running.extend(g)
 
-    def _preempt(self) -> Sequence:
+    def _evict_paused(self) -> bool:
+        """Drop the KV of the most recently paused sequence still holding some (it recomputes on resume)."""
+        victim = next((s for s in reversed(self.paused) if s.pages), None)
+        if victim is None:
+            return False
+        self.pool.free(victim.pages)
+        victim.pages, victim.computed, victim.group = [], 0, None
+        victim.preemptions += 1
+        self.preemptions += 1
+        return True
+
+    def _preempt(self) -> Sequence | None:
+        """Free pages: a paused sequence's KV first (None returned), else the most recently admitted running one."""
+        if self._evict_paused():
+            return None
         victim = self.running.pop()            # most recently admitted
         self.pool.free(victim.pages)
         victim.pages, victim.computed, victim.group = [], 0, None
@@ -367,9 +324,14 @@ class Scheduler:
                 done.append((s, "stop"))
             elif len(s.out) >= s.params.max_new_tokens:
                 done.append((s, "length"))
-        for s, _ in done:
+            elif s.params.multi_turn and s.params.ends_turn(s.out, s.turn_start):
+                done.append((s, "turn"))
+        for s, reason in done:
             self.running.remove(s)
-            s.done = True
+            s.done = True                 # (a token of it still in flight is discarded)
+            if reason == "turn":          # keeps its pages until `resume` (or `remove`)
+                s.paused = True
+                self.paused.append(s)
         return done
 
     def retire(self, s: Sequence):
@@ -408,7 +370,9 @@ class Scheduler:
         for st in states:
             pages = [page_map[p] for p in st.pages] if page_map is not None and st.pages else None
             s = Sequence.from_state(st, pages)
-            if pages and len(self.running) < self.batch_cap:
+            if s.paused:
+                self.paused.append(s)
+            elif pages and len(self.running) < self.batch_cap:
                 self.running.append(s)
             else:
                 self.waiting.append(s)
@@ -419,7 +383,8 @@ class Scheduler:
         if any(s.pending for s in self.running):
             raise RuntimeError("snapshot with a step in flight; pause (drain) first")
         return SchedulerSnapshot(tuple(self.pool._free), tuple(self.pool._refs), tuple(s.state() for s in self.waiting),
-                                 tuple(s.state() for s in self.running), self.preemptions, self.generated)
+                                 tuple(s.state() for s in self.running), self.preemptions, self.generated,
+                                 tuple(s.state() for s in self.paused))
 
     def restore(self, snap: SchedulerSnapshot):
         if len(snap.page_refs) != self.pool.num_pages:
@@ -427,4 +392,5 @@ class Scheduler:
         self.pool._free, self.pool._refs = list(snap.free_pages), list(snap.page_refs)
         self.waiting = deque(Sequence.from_state(st, list(st.pages) or None) for st in snap.waiting)
         self.running = [Sequence.from_state(st, list(st.pages) or None) for st in snap.running]
+        self.paused = [Sequence.from_state(st, list(st.pages) or None) for st in snap.paused]
         self.preemptions, self.generated = snap.preemptions, snap.generated

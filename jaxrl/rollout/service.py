@@ -10,6 +10,7 @@
     svc.relayout(tp=8, instances=1, kv="migrate") # move every live sequence and its KV, reshard the weights
     svc.add(prompt, params, instance=i)           # route to a chosen instance (default: the router)
     svc.update_weights(new_weights)               # layer-wise reshard from any layout
+    svc.add_tokens(rid, observation)              # multi-turn: continue a sequence paused at a turn stop
 
 Each instance runs a bounded set of step shapes (`shapes.ShapeBuckets`: decode rows in
 `batch_buckets_per_octave` steps per octave, `page_buckets` page-table widths, x4 prefill ladders);
@@ -223,7 +224,32 @@ class RolloutService:
         s = inst.abort(rid) if inst else None
         if s is None:
             return None
-        return Completion(s.rid, s.prompt, s.out, s.logprobs, "abort", inst.index, s.preemptions)
+        return Completion(s.rid, s.prompt, s.out, s.logprobs, "abort", inst.index, s.preemptions,
+                          appended=s.appended)
+
+    # ------------------------------------------------------------------ multi-turn
+    def add_tokens(self, rid: int, tokens: Seq[int]) -> None:
+        """Continue request `rid`, paused at one of its `turn_stops` (its completion came out with
+        finish_reason "turn"), with `tokens` appended: an observation the model did not sample (a tool's
+        output, a user message). Its KV is kept, so the next step prefills only the appended tokens and
+        generation resumes where it stopped; greedy tokens equal a fresh prefill of the whole conversation.
+        The appended span is marked in the completion (`Completion.appended`). The tokens after the prompt,
+        appended ones included, stay within `max_new_tokens`."""
+        inst = self._where.get(rid)
+        if inst is None:
+            raise KeyError(f"request {rid} is not live (finished, aborted or never added)")
+        tokens = [int(t) for t in tokens]
+        if tokens and (max(tokens) >= self.cfg.vocab_size or min(tokens) < 0):
+            raise ValueError(f"appended token ids must be in [0, {self.cfg.vocab_size})")
+        inst.add_tokens(rid, tokens)
+
+    def finish(self, rid: int) -> None:
+        """End request `rid`'s trajectory while it is paused at a turn stop: its KV pages are freed."""
+        inst = self._where.get(rid)
+        if inst is None:
+            raise KeyError(f"request {rid} is not live (finished, aborted or never added)")
+        inst.finish(rid)
+        del self._where[rid]
 
     def has_work(self) -> bool:
         return bool(self._ready) or any(i.has_work() for i in self.instances)
@@ -236,7 +262,8 @@ class RolloutService:
         done, self._ready = self._ready, []
         done += [c for inst in self.instances for c in inst.collect()]
         for c in done:
-            self._where.pop(c.request_id, None)
+            if c.finish_reason != "turn":             # (a paused sequence stays where it is)
+                self._where.pop(c.request_id, None)
         if self.adaptive is not None:
             self.adaptive.after_step(self)
         for f in self.observers:
