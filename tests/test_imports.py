@@ -57,7 +57,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl.runtime", "jaxrl.algos"),
     ("jaxrl.config",),
     ("jaxrl.rewards",),
-    ("jaxrl.data",),
+    ("jaxrl.data", "jaxrl.envs"),        # envs: environments stepped in the reward pool's workers
     ("jaxrl.rollout",),
     ("jaxrl.train",),                    # the train stages (step, update, batch, blockwise, stream, ...)
     ("jaxrl.flow",),
