@@ -219,10 +219,12 @@ class SampleBuffer:
 
 
 def encode(samples: list[Sample], width: int, group: int) -> dict[str, dict[int, np.ndarray]]:
-    """Samples as fixed-width rows: tokens (prompt + response), per-token advantages and behaviour
-    log-probs, and (prompt length, response length, version, has log-probs)."""
+    """Samples as fixed-width rows: tokens (prompt + response), per-token advantages, behaviour log-probs and
+    loss mask (multi-turn; ones when none), and (prompt length, response length, version, has log-probs +
+    2 x has a mask)."""
     n = max(len(samples), 1)
     tokens = np.zeros((n, width), np.int32)
+    mask = np.zeros((n, width), np.int32)
     adv = np.zeros((n, width), np.float32)
     logp = np.zeros((n, width), np.float32)
     meta = np.zeros((n, 4), np.int32)
@@ -232,13 +234,16 @@ def encode(samples: list[Sample], width: int, group: int) -> dict[str, dict[int,
         adv[i, :r] = np.broadcast_to(np.asarray(s.advantage, np.float32), (r,))
         if s.logprobs is not None:
             logp[i, :r] = s.logprobs
-        meta[i] = (p, r, s.version, s.logprobs is not None)
-    return {"tokens": {group: tokens}, "adv": {group: adv}, "logp": {group: logp}, "meta": {group: meta}}
+        mask[i, :r] = 1 if s.mask is None else s.mask
+        meta[i] = (p, r, s.version, (s.logprobs is not None) + 2 * (s.mask is not None))
+    return {"tokens": {group: tokens}, "adv": {group: adv}, "logp": {group: logp}, "mask": {group: mask},
+            "meta": {group: meta}}
 
 
 def decode(rows: dict[str, np.ndarray]) -> list[Sample]:
     out = []
-    for t, a, lp, (p, r, v, has) in zip(rows["tokens"], rows["adv"], rows["logp"], rows["meta"]):
+    for t, a, lp, m, (p, r, v, has) in zip(rows["tokens"], rows["adv"], rows["logp"], rows["mask"], rows["meta"]):
         out.append(Sample([int(x) for x in t[:p]], [int(x) for x in t[p:p + r]], np.asarray(a[:r]),
-                          [float(x) for x in lp[:r]] if has else None, int(v)))
+                          [float(x) for x in lp[:r]] if has & 1 else None, int(v),
+                          mask=[int(x) for x in m[:r]] if has & 2 else None))
     return out

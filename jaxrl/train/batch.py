@@ -32,6 +32,14 @@ class Sample:
     logprobs: list[float] | None = None    # the rollout's log-probs of `response` (the behaviour policy)
     version: int = 0                       # the weights version that generated it (one-step-async staleness)
     kv: Any = None                         # its rollout K/V (`rollout.SequenceKV`; kv_source=rollout, streamed)
+    # multi-turn: per response token, 1 where the model sampled it (trained), 0 where it is context the
+    # environment appended (an observation: attended to, never trained on); None: every token is trained
+    mask: list[int] | None = None
+
+
+def trained_tokens(s: Sample) -> int:
+    """The response tokens of `s` the loss covers (the aggregation's token count)."""
+    return len(s.response) if s.mask is None else int(sum(s.mask))
 
 
 FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages", "weights")
@@ -89,9 +97,15 @@ def pack(samples: list[Sample], seq_weights, pack_len: int, n_rows: int | None =
             out["segment_ids"][r, off:off + n] = seg
             out["targets"][r, off:off + n - 1] = seq[1:]
             resp = slice(off + p - 1, off + n - 1)          # indices whose target is a response token
-            out["loss_mask"][r, resp] = 1
             out["advantages"][r, resp] = s.advantage
-            out["weights"][r, resp] = seq_weights[i]
+            if s.mask is None:
+                out["loss_mask"][r, resp] = 1
+                out["weights"][r, resp] = seq_weights[i]
+            else:                                           # observation tokens: context, no loss
+                if len(s.mask) != len(s.response):
+                    raise ValueError(f"sample {i}: a mask of {len(s.mask)} for {len(s.response)} response tokens")
+                out["loss_mask"][r, resp] = s.mask
+                out["weights"][r, resp] = seq_weights[i] * np.asarray(s.mask, np.float64)
             if behaviour:
                 if s.logprobs is None or len(s.logprobs) != len(s.response):
                     raise ValueError(f"sample {i}: behaviour log-probs needed for each of its {len(s.response)} "

@@ -30,7 +30,7 @@ from jaxrl.rewards.registry import one_line, reward_fn_for, reward_name
 from jaxrl.rewards.scheduler import RewardScheduler
 from jaxrl.rollout import Completion, RolloutService, SamplingParams
 
-from .batch import Sample, pack, pack_rows, row_bucket
+from .batch import Sample, pack, pack_rows, row_bucket, trained_tokens
 from .distributed import global_max, global_sum
 
 
@@ -310,7 +310,7 @@ def batch_weights(samples: list[Sample], cfg: TrainConfig, max_new_tokens: int, 
     of the batch, and its loss is still that part's share of the global mean.
     """
     agg = cfg.algo.agg
-    resp = np.asarray([len(s.response) for s in samples])
+    resp = np.asarray([trained_tokens(s) for s in samples])
     n_tok, n_seq = global_sum([resp.sum(), len(samples)])
     denominator = int(n_tok) if algos.AGGREGATIONS[agg].denominator == "tokens" else int(n_seq)
     if fold:
@@ -323,7 +323,7 @@ def sample_weights(samples: list[Sample], cfg: TrainConfig, max_new_tokens: int)
     """`batch_weights(fold=False)`'s weights, 1/q_i x algo.mini_batches, without its denominator: nothing
     crosses processes, so a process may call it on its own (the stream trainer's micro-batches on the devices
     this process freed)."""
-    weights, _ = algos.token_weights(cfg.algo.agg, np.asarray([len(s.response) for s in samples]), max_new_tokens)
+    weights, _ = algos.token_weights(cfg.algo.agg, np.asarray([trained_tokens(s) for s in samples]), max_new_tokens)
     return weights * cfg.algo.mini_batches
 
 
