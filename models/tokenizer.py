@@ -120,14 +120,14 @@ class CharTokenizer:
 
     # Compact role tags: every prompt character is a token (and is repeated for each of a GRPO group's
     # samples), so "Q:"/"A:" instead of "user:"/"assistant:" cuts the quickstart's training tokens ~1.6x.
-    ROLES = {"user": "Q", "assistant": "A", "system": "S"}
+    ROLES = {"user": "Q", "assistant": "A", "system": "S", "tool": "T"}   # tool: a tool's result (multi-turn)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         text = "".join(f"{self.ROLES.get(m['role'], m['role'])}: {m['content']}\n" for m in messages)
         return text + ("A: " if add_generation_prompt else "")
 
     # The same chat format as a Jinja template, for exported checkpoints (transformers renders it).
-    CHAT_TEMPLATE = ("{% set roles = {'user': 'Q', 'assistant': 'A', 'system': 'S'} %}{% for m in messages %}"
+    CHAT_TEMPLATE = ("{% set roles = {'user': 'Q', 'assistant': 'A', 'system': 'S', 'tool': 'T'} %}{% for m in messages %}"
                      "{{ roles.get(m['role'], m['role']) ~ ': ' ~ m['content'] ~ '\n' }}{% endfor %}"
                      "{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}")
 

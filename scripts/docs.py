@@ -176,6 +176,37 @@ def ppo_quickstart() -> str:
             + footer(PPO_QUICKSTART, QUICKSTART, who=f"PPO: {machine(p)}; GRPO: {machine(g)}"))
 
 
+MULTITURN_RUN = "multiturn.json"
+
+
+@renders("multiturn-run")
+def multiturn_run() -> str:
+    """configs/multiturn.yaml's run (scripts/quickstart_results.py multiturn): reward and tool use over RL."""
+    if not (RESULTS / MULTITURN_RUN).exists():
+        return ("**Not measured yet:** `scripts/venv.sh python scripts/quickstart_results.py multiturn`, then "
+                "`scripts/venv.sh python scripts/docs.py`.")
+    q = load(MULTITURN_RUN)
+    f = lambda x, spec: "–" if x is None else format(x, spec)        # noqa: E731
+
+    def span(key, spec):
+        return f"{f(q.get(key + '_first'), spec)} → {f(q.get(key + '_last'), spec)}"
+
+    wall = q["wall_s"]
+    rows = [["command (warm start, then RL)", f"`{q['command']}`"],
+            ["wall time", f"{int(wall // 60)} min {wall % 60:.0f} s" if wall is not None else "not recorded"],
+            [f"mean reward, first 20% of RL steps ({q['window_steps']}) → last 20%", span("reward_mean", ".3f")],
+            ["pass rate (exact products), first 20% → last 20%", span("pass_rate", ".3f")],
+            ["tool success (calls that ran, of all calls), first 20% → last 20%", span("env/tool_success", ".2f")],
+            ["tool calls per step (of 128 trajectories), first 20% → last 20%", span("env/tool_calls", ".1f")],
+            ["malformed tool calls per step, first 20% → last 20%", span("env/format_errors", ".1f")],
+            ["turns per trajectory, first 20% → last 20%", span("env/turns_mean", ".2f")],
+            ["RL step, median (rollout with the tool calls + update)",
+             f"{f(q['step_seconds_median'], '.2f')} s (rollout {f(q['rollout_s_median'], '.2f')} s + update "
+             f"{f(q['train_s_median'], '.2f')} s)"],
+            ["XLA compilations after RL step 0", f(q.get("compiles_after_step0"), ".0f")]]
+    return table(["figure", "value"], "ll", rows) + "\n\n" + footer(MULTITURN_RUN)
+
+
 # ---------------------------------------------------------------------------------------------- training
 
 @renders("train-memory")

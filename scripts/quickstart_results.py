@@ -15,6 +15,9 @@
                 summary.json -> lora_quickstart.json, curves.png -> lora_quickstart_curves.png
   length-pairs  rollout.skew.enabled=true steps=40 warm_start.steps=400 (docs/streamrl.md: the ranker's history)
                 length_pairs.jsonl -> quickstart_length_pairs.jsonl      (`bench_ranker.py --pairs`'s input)
+  multiturn     --config configs/multiturn.yaml (docs/multiturn.md: the calc task with the calculator tool)
+                summary.json -> multiturn.json (+ the env/ metrics' first/last windows), curves.png ->
+                multiturn_curves.png
 
 A summary is copied as the run wrote it (`jaxrl/train/summary.py`). ppo_quickstart.json adds the critic's
 mean `critic/explained_var` over the same first and last windows as the summary's rewards
@@ -51,9 +54,13 @@ RUNS: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
              {"summary.json": "lora_quickstart.json", "curves.png": "lora_quickstart_curves.png"}),
     "length-pairs": (("rollout.skew.enabled=true", "steps=40", "warm_start.steps=400"), "runs/length_pairs_quickstart",
                      {"length_pairs.jsonl": "quickstart_length_pairs.jsonl"}),
+    "multiturn": (("--config", "configs/multiturn.yaml"), "runs/multiturn",
+                  {"summary.json": "multiturn.json", "curves.png": "multiturn_curves.png"}),
 }
+ENV_WINDOWS = ("env/tool_success", "env/tool_calls", "env/format_errors", "env/turns_mean")   # multiturn.json adds
 OUTPUTS = ("quickstart.json", "quickstart_curves.png", "ppo_quickstart.json", "ppo_quickstart_curves.png",
-           "lora_quickstart.json", "lora_quickstart_curves.png", "quickstart_length_pairs.jsonl")       # what it writes into scripts/results/ (tests/test_docs.py)
+           "lora_quickstart.json", "lora_quickstart_curves.png", "quickstart_length_pairs.jsonl",
+           "multiturn.json", "multiturn_curves.png")       # what it writes into scripts/results/ (tests/test_docs.py)
 COMMAND = "python -m jaxrl.train"
 
 
@@ -101,6 +108,11 @@ def result_files(name: str, run_dir: Path) -> dict[str, str]:
             summary = summary | {"critic_explained_var_first": window_mean(rows, "critic/explained_var", k, False),
                                  "critic_explained_var_last": window_mean(rows, "critic/explained_var", k, True)}
             out[dst] = json.dumps(summary, indent=1) + "\n"
+        elif src == "summary.json" and name == "multiturn":
+            rows, k = read_rows(run_dir), summary["window_steps"]
+            summary = summary | {f"{key}_{end}": window_mean(rows, key, k, end == "last")
+                                 for key in ENV_WINDOWS for end in ("first", "last")}
+            out[dst] = json.dumps(summary, indent=1) + "\n"
         else:
             out[dst] = (run_dir / src).read_bytes()
     return out
@@ -112,7 +124,7 @@ def run(name: str) -> Path:
     if path.exists():
         raise SystemExit(f"{path} exists (the trainer would resume it): remove it, or copy it with "
                          f"`{Path(__file__).name} {name} --from {run_dir}`")
-    extra = [] if name == "quickstart" else [f"run_dir={run_dir}"]      # the quickstart: the README's command
+    extra = [] if name in ("quickstart", "multiturn") else [f"run_dir={run_dir}"]    # the documented commands
     cmd = [sys.executable, "-m", "jaxrl.train", *overrides, *extra]
     print(f"[quickstart_results] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)

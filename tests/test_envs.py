@@ -109,10 +109,10 @@ def test_hostile_tools_never_stall_a_step(pool):
         assert not step.done and len(step.observation) <= 300, key
     assert got["ok"][1].observation == render_responses(["1024"])
     assert "ZeroDivisionError" in got["raises"][1].observation and got["raises"][1].info["tool_errors"] == 1
-    assert "timed out" in got["hangs"][1].observation and got["hangs"][1].info == {"env_errors": 1}
+    assert "timed out" in got["hangs"][1].observation and got["hangs"][1].info == {"env_errors": 1, "status": "timeout"}
     assert got["floods"][1].observation.endswith("more characters cut]</tool_response>")
     assert "'not': 'text'" in got["malformed"][1].observation
-    assert "worker died" in got["exits"][1].observation and got["exits"][1].info == {"env_errors": 1}
+    assert "worker died" in got["exits"][1].observation and got["exits"][1].info == {"env_errors": 1, "status": "crash"}
     assert runner.totals["env_errors"] == 2 and runner.totals["tool_calls"] == 4 and runner.totals["steps"] == 6
 
 
@@ -125,7 +125,7 @@ def test_state_travels_and_failures_keep_the_state_before_the_step(pool):
     assert step.done and "a" not in runner.turns
     broken = _testing.Broken()
     after, step = _run(runner, [("b", broken, "x")])["b"]
-    assert after is broken and "not a Step" in step.observation and step.info == {"env_errors": 1}
+    assert after is broken and "not a Step" in step.observation and step.info == {"env_errors": 1, "status": "crash"}
 
 
 def test_the_runner_ends_a_trajectory_at_max_turns(pool):
@@ -142,3 +142,13 @@ def test_env_limits_are_checked():
             EnvLimits(**bad)
     with pytest.raises(NotImplementedError):
         Environment().step("x")
+
+
+def test_a_cancelled_step_never_comes_back(pool):
+    """Tail batching gives up a trajectory while its environment steps: the step's result is dropped."""
+    runner = EnvRunner(pool, EnvLimits(max_turns=8, step_timeout_s=5.0))
+    runner.submit("gone", _testing.Counter(), "x")
+    runner.submit("kept", _testing.Counter(), "y")
+    runner.cancel("gone")
+    got = _run(runner, [])
+    assert set(got) == {"kept"} and runner.pending == 0 and "gone" not in runner.turns

@@ -128,17 +128,23 @@ def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
 
 
+# Multi-turn at the tiny size: the recipes' tools environment would end every trajectory at its first turn (a
+# random policy calls no tool), so the runs use Echo, which answers every 3-token turn until max_turns (3).
+ECHO_TURNS = ["rollout.env=jaxrl.envs._testing:Echo", "rollout.turns.turn_max_tokens=3", "rollout.max_new_tokens=32"]
+
+
 @pytest.mark.processes
 def test_all_mechanisms_recipes_run(tmp_path):
     """configs/all_mechanisms.yaml (2 processes: tail batching + dynamic sampling, skew placement, the planner,
-    the blockwise backward, token repartition) and its disaggregated one-step-async variant, at the tiny size,
+    the blockwise backward, token repartition, multi-turn trajectories) and its disaggregated one-step-async
+    variant, at the tiny size,
     side by side: every mechanism's metrics show that it acted. The length ranker starts from the committed
     quickstart's pairs (its warm start), so skew placement is live from step 0. Beside them the 2-process
     recipe runs again, is killed (SIGKILL, both processes) once checkpoint 2 exists, and its relaunch resumes
     to the uninterrupted run's weights bit for bit. (That the recipe learns is measured at quickstart size by
     scripts/bench_recipes.py, not here.)"""
     two, asy, killed = tmp_path / "two", tmp_path / "async", tmp_path / "killed"
-    small = [*TINY, "steps=3", "export_hf=false", *WARM_SKEW[1:]]
+    small = [*TINY, "steps=3", "export_hf=false", *WARM_SKEW[1:], *ECHO_TURNS]
 
     def recipe(run_dir, **kw):
         cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", "--config",
@@ -176,4 +182,5 @@ def test_all_mechanisms_recipes_run(tmp_path):
         assert rows[0]["preemptions"] > 0 and rows[-1]["planner/tp"] == 2                            # the planner
         assert all(r["blockwise/blocks"] > 0 for r in rows if r["flow/samples"])                      # MetroRLHF
         assert all("flow/padding_balanced" in r for r in rows if r["flow/samples"])                   # DistFlow
+        assert all(r["env/turns_max"] == 3 and r["env/observation_tokens"] > 0 for r in rows)          # multi-turn
     assert [r["placement/staleness"] for r in _metrics(asy)] == [0, 1, 1]

@@ -23,6 +23,7 @@ CONFIG_CLASSES: dict[str, type[Section]] = {
     "grpo_qwen3_0.6b_math.yaml": TrainConfig,
     "all_mechanisms.yaml": TrainConfig,          # written by scripts/composition.py
     "all_mechanisms_async.yaml": TrainConfig,
+    "multiturn.yaml": TrainConfig,               # multi-turn with the calculator tool (the calc task)
 }
 
 __all__ = [

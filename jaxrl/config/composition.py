@@ -76,6 +76,9 @@ MECHANISMS: dict[str, Mechanism] = {
                      "the whole batch before the update", "DistFlow (PPO)"),
     "two_processes": Mechanism(("distributed.num_processes=2",), "how many controllers run the graph",
                                "global agreement on counts", "DistFlow"),
+    "multi_turn": Mechanism(("rollout.env=tools",),
+                            "what a sample is (a trajectory: model turns and environment steps in one live sequence)",
+                            "an environment per row; advantages per trajectory (the GRPO family)", "multi-turn tools"),
     "lora": Mechanism(("model.lora.rank=8",), "which weights train (low-rank adapters; the base frozen, the reference)",
                       "a base model (initialised or an HF checkpoint)", "LoRA (Hu et al.)"),
 }
@@ -110,12 +113,14 @@ def pair_matrix() -> dict[tuple[str, str], tuple[str, str] | None]:
 # (TP 1; the planner may merge them into one TP 2 instance, at most) beside a train mesh of fsdp=4 over the
 # 4 devices of both; the blockwise backward recomputes its K/V (the rollout's K/V are refused with token
 # repartition over 2 processes: the samples would move to other processes, their K/V would not).
-RECIPE = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "two_processes")
+RECIPE = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "multi_turn",
+          "two_processes")
 RECIPE_OVERRIDES = ("engine.instances=2", "engine.planner.max_tp=2", "rollout.tail_batching.max_waves=3",
                     "trainer.block_size=64")
 RECIPE_HEADER = """# Every mechanism that composes, in one run at quickstart size (issue 32): RollPacker's tail batching with
 # DAPO dynamic sampling and the TP planner, StreamRL's skew-aware placement with its length ranker,
-# MetroRLHF's blockwise backward, DistFlow's token repartition, 2 processes (multi-controller):
+# MetroRLHF's blockwise backward, DistFlow's token repartition, multi-turn trajectories with the tools
+# environment (a turn with a tool call continues the sequence), 2 processes (multi-controller):
 #   scripts/launch_local.sh 2 python -m jaxrl.train --config configs/all_mechanisms.yaml
 # Written by scripts/composition.py from jaxrl.config.composition (RECIPE: the quickstart plus those
 # mechanisms' declared overrides); tests/test_composition.py fails when this file differs.
@@ -126,9 +131,11 @@ RECIPE_HEADER = """# Every mechanism that composes, in one run at quickstart siz
 # run small; async composes with 2 processes, tests/test_train_processes.py), 4 train devices beside 2 generation
 # instances; the rollout side (tail batching's rounds, dynamic sampling's waves, skew placement, the
 # planner's layout) runs one step ahead of the update.
-RECIPE_ASYNC = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "async")
+RECIPE_ASYNC = ("tail_batching", "dynamic_sampling", "skew", "planner", "blockwise", "repartition", "multi_turn",
+                "async")
 RECIPE_ASYNC_HEADER = """# The all-mechanisms recipe on StreamRL's disaggregated pools, one-step-async (issue 32): tail batching with
-# dynamic sampling, the TP planner, skew placement, the blockwise backward and token repartition, with the
+# dynamic sampling, the TP planner, skew placement, the blockwise backward, token repartition and multi-turn
+# trajectories with the tools environment, with the
 # next rollout running while each step trains (one process, to keep CI's run small):
 #   scripts/venv.sh python -m jaxrl.train --config configs/all_mechanisms_async.yaml
 # Written by scripts/composition.py (RECIPE_ASYNC); tests/test_composition.py fails when this file differs.

@@ -274,6 +274,7 @@ class TrainConfig(Section):
                               f"{self.trainer.micro_batch_tokens}: the micro-batches already come from the token "
                               "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
         check_critic(self)            # before the mechanisms' own checks: PPO refuses them whole
+        self._check_multi_turn()
         self._check_blockwise()
         check_stream(self.trainer.stream, self)
         check_placement(self)
@@ -284,6 +285,22 @@ class TrainConfig(Section):
                               f"engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len or lower one "
                               "of the two")
 
+
+    def _check_multi_turn(self):
+        """Multi-turn (rollout.env) combinations that would train on the observations, refused with the reason."""
+        if self.rollout.env is None:
+            return
+        if self.algo.advantage == "gae":
+            raise ConfigError("rollout.env", "PPO's critic and GAE treat every response token as an action, and a "
+                              "trajectory's observation tokens are not: multi-turn trains with grpo, dr_grpo, rloo "
+                              "or reinforce_pp")
+        if self.algo.kl_in_reward:
+            raise ConfigError("rollout.env", "algo.kl_in_reward would put the observation tokens' KL into the "
+                              "returns: use kl_coef as a loss term (kl_in_reward=false) with multi-turn")
+        if self.trainer.kv_source == "rollout":
+            raise ConfigError("rollout.env", "a trajectory paused for its environment may lose its KV pages under "
+                              "memory pressure (recomputed when it resumes), and one that then ends has no K/V to "
+                              "export: use trainer.kv_source=recompute with multi-turn")
 
     def _check_blockwise(self):
         """trainer.backward / kv_source combinations that cannot run, refused with the key and the reason."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import ConfigError, Section, check_float, check_int
+from .base import ConfigError, Section, check_float, check_int, check_str
 from .generate import EngineSection, SamplingSection
 from .planner import PlannerSection
 from .skew import SkewSection
+from .turns import TurnsSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +45,17 @@ class TailBatchingSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class TrainSamplingSection(SamplingSection):
-    """Sampling of the RL rollouts, plus `tail_batching` (RollPacker) and `skew` (StreamRL)."""
+    """Sampling of the RL rollouts, plus `tail_batching` (RollPacker), `skew` (StreamRL) and multi-turn
+    rollouts with an environment (`env`, `turns`)."""
 
     tail_batching: TailBatchingSection = dataclasses.field(default_factory=TailBatchingSection)
     skew: SkewSection = dataclasses.field(default_factory=SkewSection)
+    env: str | None = None               # multi-turn: a built-in environment (tools, calculator) or "pkg.mod:Env"; null: single-turn
+    turns: TurnsSection = dataclasses.field(default_factory=TurnsSection)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_str("env", self.env, allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,12 @@ test cases as JSON (`jaxrl.rewards.code` schema: three stdin/stdout pairs) and t
 program on them in the sandbox ("code" reward: 1 when every case passes, else 0). Seven operations
 (add k, mul k, rep k, head k, rev, sort, len) over small integers and the letters a-j; prompts are
 8-10 characters, demonstrations 20-32.
+
+`calc` (opt-in, multi-turn: `configs/multiturn.yaml`) asks for the product of two 2-digit numbers ("calc
+48*39" -> "1872"), which a tiny model cannot compute in its head: its demonstration (`demonstration_turns`)
+calls the calculator tool in one turn and answers with the tool's result in the next; the reward is 1 for the
+exact product, else 0 (a prefix score would pay for leading digits right by chance: noise that GRPO's
+normalisation amplifies).
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class Task:
     generate: Callable[[np.random.Generator], tuple[str, str]]
     scorer: Callable[[str, str], float] = prefix_score
     demo: Callable[[Example], str] | None = None   # the ideal response when it is not the answer itself
+    turns: Callable[[Example], list[str]] | None = None   # multi-turn: the ideal turns (tool calls, then the answer)
 
     def make(self, rng: np.random.Generator) -> Example:
         prompt, answer = self.generate(rng)
@@ -115,6 +122,11 @@ class Task:
     def demonstration(self, ex: Example) -> str:
         """The ideal response text (without EOS; the tokenizer's EOS ends it)."""
         return self.demo(ex) if self.demo is not None else ex.answer
+
+    def demonstration_turns(self, ex: Example) -> list[str]:
+        """The ideal turns of a multi-turn trajectory (each tool call its own turn, the answer last); a task
+        answered in one turn: its demonstration."""
+        return self.turns(ex) if self.turns is not None else [self.demonstration(ex)]
 
     def score(self, response: str, answer: str) -> float:
         return float(self.scorer(response.strip(), answer.strip()))
@@ -147,6 +159,23 @@ def _add(rng):
     if rng.random() < 0.5:
         a, b = b, a
     return f"add {a}+{b}", str(a + b)
+
+
+def _calc(rng):
+    a, b = int(rng.integers(10, 100)), int(rng.integers(10, 100))
+    return f"calc {a}*{b}", str(a * b)
+
+
+def exact_score(response: str, answer: str) -> float:
+    """1 for the exact answer, else 0 (no partial credit: a product's leading digits right by chance are noise)."""
+    return float(response.strip() == answer.strip())
+
+
+def calc_turns(ex: Example) -> list[str]:
+    """A `calc` trajectory: one calculator call (the Qwen3/Hermes format, `jaxrl.envs.tools`), then the answer."""
+    expression = ex.prompt.split(" ", 1)[1]
+    call = '{"name":"calculator","arguments":{"expression":"' + expression + '"}}'
+    return [f"<tool_call>{call}</tool_call>", ex.answer]
 
 
 # op -> (input kind, program template, expected output of (input line, k))
@@ -193,6 +222,8 @@ BUILTIN_TASKS: dict[str, Task] = {t.name: t for t in (
 )}
 OPT_IN_TASKS: dict[str, Task] = {t.name: t for t in (
     Task("code", "a one-line Python program over stdin, run on test cases", _code, code_score, code_solution),
+    Task("calc", "multiply two 2-digit numbers with the calculator tool (multi-turn)", _calc, exact_score,
+         turns=calc_turns),
 )}
 TASKS: dict[str, Task] = {**BUILTIN_TASKS, **OPT_IN_TASKS}   # every task `data.tasks` may name
 DEFAULT_TASKS: tuple[str, ...] = tuple(sorted(BUILTIN_TASKS))   # what `data.tasks: []` means

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 
+from jaxrl.data.tasks import builtin_reward
+
 from .base import Environment, Step
 
 
@@ -52,3 +54,22 @@ class Broken(Environment):
 def exact(response: str, answer: str, task: str) -> float:
     """A reward: 1 when the response is the answer."""
     return float(response.strip() == answer)
+
+
+class Echo(Environment):
+    """Never ends a trajectory itself (the runner's max_turns does): each turn's observation is a short
+    acknowledgement and its reward the change in the built-in score of the latest turn against the row's answer
+    (so a trajectory's reward is its last turn's score); `reset` opens with " go" when the prompt ends with "?"."""
+
+    def __init__(self):
+        self.n, self.score, self.answer, self.task = 0, 0.0, "", "copy"
+
+    def reset(self, row: dict) -> str:
+        self.answer, self.task = row["answer"], row["task"]
+        return " go" if row["prompt"].endswith("?") else ""
+
+    def step(self, action: str) -> Step:
+        self.n += 1
+        score = builtin_reward(action, self.answer, self.task)
+        reward, self.score = score - self.score, score
+        return Step(observation=f"ok{self.n}", reward=reward)

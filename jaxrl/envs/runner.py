@@ -71,6 +71,14 @@ class EnvRunner:
         item = (ITEM_FN, action, "", "", {"env": env, "max_observation_chars": self.limits.max_observation_chars})
         self._items[self.pool.submit(item, timeout_s=self.limits.step_timeout_s)] = (key, env, self.turns[key])
 
+    def cancel(self, key) -> None:
+        """Withdraw trajectory `key`'s step in flight, if any (its result never comes out of `poll`)."""
+        for item_id, (k, _, _) in list(self._items.items()):
+            if k == key:
+                del self._items[item_id]
+                self.pool.cancel(item_id)         # (a running step finishes or times out; its result is dropped)
+        self.turns.pop(key, None)
+
     @property
     def pending(self) -> int:
         return len(self._items)
@@ -79,12 +87,15 @@ class EnvRunner:
         """`(key, env, Step)` for each step finished so far (waits up to `timeout` for one)."""
         out = []
         for r in self.pool.poll(timeout):
+            if r.id not in self._items:         # (cancelled)
+                continue
             key, env, turn = self._items.pop(r.id)
             if r.status == "ok":
                 env, step = r.info["env"], r.info["step"]
             else:                   # the instance from before the step; the error as the observation
                 error = f"<tool_response>environment error: {r.error}</tool_response>"
-                step = Step(truncate(error, self.limits.max_observation_chars), info={"env_errors": 1})
+                step = Step(truncate(error, self.limits.max_observation_chars),
+                            info={"env_errors": 1, "status": r.status})
             if turn >= self.limits.max_turns and not step.done:
                 step = dataclasses.replace(step, done=True, info={**step.info, "turn_limit": 1})
             if step.done:

@@ -28,7 +28,7 @@ import numpy as np
 from jaxrl.data import encode_prompts
 from jaxrl.train import critic, rl
 from jaxrl.train import update_stage as stage
-from jaxrl.train.batch import Sample
+from jaxrl.train.batch import Sample, trained_mask
 from jaxrl.train.distributed import global_sum
 from jaxrl.train.pipeline import check_staleness
 
@@ -45,15 +45,17 @@ def rollout(ctx: FlowContext, data: StepData) -> None:
     data.rows, data.completions, data.rewards, data.stats = got.rows, got.completions, got.rewards, got.stats
     data.plan, data.version, data.group_size = got.plan, got.version, tc.cfg.algo.group_size
     data.prompts = encode_prompts(data.rows, tc.tokenizer, tc.cfg.data.chat)     # the trained prompts, in order
+    if tc.rollout.turns is not None:    # multi-turn: as generated, an environment's opening text in them
+        data.prompts = [list(data.completions[k * data.group_size].prompt) for k in range(len(data.rows))]
 
 
 @register("reward", "compute", name="reward", stream=True)
 def reward(ctx: FlowContext, data: StepData) -> None:
     """Rewards of the step's completions. Streamed (the default graphs): already scored while the rollout
     ran. Otherwise the whole batch is scored now, through the same reward scheduler."""
-    if ctx.streamed:
-        return
     tc = ctx.train
+    if ctx.streamed or tc.rollout.turns is not None:    # (multi-turn: the environments scored the rollout)
+        return
     data.rewards, got = rl.score_batch(tc.rewards, tc.tokenizer, tc.cfg, data.rows, data.completions, data.group_size)
     data.stats.update(got)
     data.stats["reward_s"] = got["seconds"]
@@ -73,8 +75,8 @@ def advantage(ctx: FlowContext, data: StepData, estimator: str | None = None) ->
         data.advantages, data.returns = critic.gae(cfg, data.rewards, data.lens, data.values, kl)
     else:
         data.advantages = rl.advantages(cfg, data.rewards, data.lens, kl=kl)
-    data.samples = [Sample(data.prompts[k // G], c.tokens, data.advantages[k], c.logprobs, data.version)
-                    for k, c in enumerate(data.completions)]
+    data.samples = [Sample(data.prompts[k // G], c.tokens, data.advantages[k], c.logprobs, data.version,
+                           mask=trained_mask(c)) for k, c in enumerate(data.completions)]
 
 
 @register(name="drop_equal_groups")

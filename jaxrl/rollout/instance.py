@@ -126,12 +126,18 @@ class Instance:
             self.pause()
         self.sched.resume(s, tokens)
 
-    def finish(self, rid: int) -> None:
-        """End paused sequence `rid`'s trajectory: its pages return to the pool."""
+    def finish(self, rid: int) -> Completion:
+        """End paused sequence `rid`'s trajectory: its final completion (finish_reason "stop"; its K/V exported
+        with `return_kv` while the pages still hold it: a paused sequence whose KV was evicted has none) and its
+        pages return to the pool."""
         s = self.sched.find(rid)
         if s is None or not s.paused:
             raise KeyError(f"request {rid} is not paused at a turn stop on instance {self.index}")
+        if s.pending:
+            self.pause()
+        kv = self.kv.export(s.pages, len(s) - 1) if s.params.return_kv and s.computed >= len(s) - 1 else None
         self.sched.remove(s)
+        return Completion(s.rid, s.prompt, s.out, s.logprobs, "stop", self.index, s.preemptions, kv, s.appended)
 
     # ------------------------------------------------------------------ steps
     def warm(self, *, truncate=(False,), export: bool = False) -> int:

@@ -243,13 +243,15 @@ class RolloutService:
             raise ValueError(f"appended token ids must be in [0, {self.cfg.vocab_size})")
         inst.add_tokens(rid, tokens)
 
-    def finish(self, rid: int) -> None:
-        """End request `rid`'s trajectory while it is paused at a turn stop: its KV pages are freed."""
+    def finish(self, rid: int) -> Completion:
+        """End request `rid`'s trajectory while it is paused at a turn stop: returns its final completion
+        (finish_reason "stop", `kv` with `return_kv`) and its KV pages are freed."""
         inst = self._where.get(rid)
         if inst is None:
             raise KeyError(f"request {rid} is not live (finished, aborted or never added)")
-        inst.finish(rid)
+        c = inst.finish(rid)
         del self._where[rid]
+        return c
 
     def has_work(self) -> bool:
         return bool(self._ready) or any(i.has_work() for i in self.instances)

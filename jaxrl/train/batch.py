@@ -37,6 +37,12 @@ class Sample:
     mask: list[int] | None = None
 
 
+def trained_mask(c) -> list[int] | None:
+    """A completion's `Sample.mask`: its sampled tokens 1, the observations appended to it 0 (None when it has
+    none: a single-turn completion trains every token, bit for bit as before)."""
+    return c.sampled_mask() if c.appended else None
+
+
 def trained_tokens(s: Sample) -> int:
     """The response tokens of `s` the loss covers (the aggregation's token count)."""
     return len(s.response) if s.mask is None else int(sum(s.mask))

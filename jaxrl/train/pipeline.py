@@ -164,8 +164,11 @@ class Prefetched:
     def state_dict(self) -> dict:
         comps = [{"request_id": c.request_id, "prompt": list(c.prompt), "tokens": list(c.tokens),
                   "logprobs": [float(x) for x in c.logprobs], "finish_reason": c.finish_reason,
-                  "instance": c.instance, "preemptions": c.preemptions} for c in self.completions]
+                  "instance": c.instance, "preemptions": c.preemptions,
+                  "appended": [list(span) for span in c.appended]} for c in self.completions]
         stats = {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str, list))}
+        if "env" in self.stats:                 # multi-turn counters (env/ metrics)
+            stats["env"] = {k: float(v) for k, v in self.stats["env"].items()}
         if "mechanisms" in self.stats:          # the rollout side's metrics (tail/queue_len, planner/, pat/)
             stats["mechanisms"] = {k: int(v) if isinstance(v, (int, np.integer)) else float(v)
                                    for k, v in self.stats["mechanisms"].items()}
@@ -176,7 +179,8 @@ class Prefetched:
     @classmethod
     def from_state(cls, d: dict) -> "Prefetched":
         comps = [Completion(c["request_id"], c["prompt"], c["tokens"], c["logprobs"], c["finish_reason"],
-                            c["instance"], c["preemptions"]) for c in d["completions"]]
+                            c["instance"], c["preemptions"], appended=[tuple(span) for span in c.get("appended", [])])
+                 for c in d["completions"]]
         plan = None if d.get("plan") is None else RoundPlan(**d["plan"])
         return cls(int(d["step"]), int(d["version"]), list(d["rows"]), comps,
                    np.asarray(d["rewards"], np.float32), dict(d["stats"]), plan)

@@ -47,7 +47,7 @@ def uses_rollout_kv(cfg: TrainConfig) -> bool:
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
                       rows: list[dict], step: int, eos_ids, *, race=None, responses: int | None = None,
                       params_fn=None, on_step=None, on_group=None, route=None,
-                      score: bool = True) -> tuple[list[Completion], np.ndarray, dict]:
+                      score: bool = True, turns=None) -> tuple[list[Completion], np.ndarray, dict]:
     """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
@@ -76,9 +76,15 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
 
     `score=False`: nothing is scored here (a graph whose reward node does not stream: it scores the batch
     after the rollout, `score_batch`); the rewards come back as zeros and the stats count no items.
+
+    `turns` (multi-turn, a `jaxrl.train.trajectories.TurnRound` of these rows): each sample is a trajectory;
+    its turns step its environment as they end and its observations continue it in the engine. A sample
+    "finishes" (the race, `on_group`) when its trajectory ends; its reward is the sum of its steps' and the
+    stats count environment steps as items (`stats["env"]`: the round's counters).
     """
-    if not score and (on_group is not None or (race is not None and race.filter_equal)):
-        raise ValueError("rollout_and_score(score=False): on_group and dynamic sampling need the rewards as they come")
+    if not score and (on_group is not None or (race is not None and race.filter_equal) or turns is not None):
+        raise ValueError("rollout_and_score(score=False): on_group, dynamic sampling and multi-turn need the "
+                         "rewards as they come")
     r = cfg.rollout
     G = responses or cfg.algo.group_size
     sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
@@ -88,7 +94,12 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
         params = SamplingParams.from_config(r, n=G, stop_token_ids=eos_ids,
                                             seed=request_seed(cfg.seed, step, int(row["index"])),
                                             return_kv=uses_rollout_kv(cfg))
-        rids.append(svc.add(ids, params if params_fn is None else params_fn(row, params), **where_to))
+        params = params if params_fn is None else params_fn(row, params)
+        if turns is not None:
+            params = turns.mt.params(params)
+        rids.append(svc.add(ids, params, **where_to))
+        if turns is not None:
+            turns.start(len(rids) - 1, rids[-1], params)
     where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group)}
     comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
     scores = np.zeros((len(prompts), G), np.float32)
@@ -115,6 +126,18 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                 told.add(p)
                 race.scored(p, [scores[p, j] for j in js])
 
+    def finish(p, j, c):
+        nonlocal finished
+        comps[p][j] = c
+        if race is not None:
+            race.finished(p, j, len(c.tokens))
+        finished += 1
+
+    def take_trajectories(ended):
+        for (p, j), c, reward, status in ended:
+            finish(p, j, c)
+            scores[p, j], results[p, j] = reward, status
+
     def take(polled):
         for res in polled.responses:
             name = waiting.pop(res.key, None)
@@ -133,10 +156,13 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     pat = pat if pat is not None and pat.agree is not None else None
     if pat is not None:
         pat.begin()
-    while svc.has_work() or (race is not None and not race.decided) or (pat is not None and pat.pending()):
+    while (svc.has_work() or (race is not None and not race.decided) or (pat is not None and pat.pending())
+           or (turns is not None and turns.pending)):
         if not svc.has_work():       # (in the order a working process runs them: the engine step's tick first)
             if pat is not None and pat.pending():
                 pat.idle_tick(svc)
+            if turns is not None and turns.pending:      # every live trajectory waits on its environment
+                take_trajectories(turns.poll(timeout=0.02 if race is None or race.decided else 0.005))
             if race is not None and not race.decided:
                 take(sched.poll(timeout=0.02))
                 tell_race()
@@ -147,17 +173,20 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
         engine_steps += 1
         for c in svc.step():
             p, j = where[c.request_id]
-            comps[p][j] = c
-            if race is not None:
-                race.finished(p, j, len(c.tokens))
-            finished += 1
+            if turns is not None:
+                turns.turn_ended((p, j), c)
+                continue
+            finish(p, j, c)
             if not score:
                 continue
             row = rows[p]
             name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
             sched.submit((p, j), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
             waiting[p, j] = name
-        take(sched.poll())
+        if turns is not None:
+            take_trajectories(turns.poll())
+        else:
+            take(sched.poll())
         if on_step is not None and race is None:
             on_step(finished, len(prompts) * G)
         if race is not None:
@@ -165,6 +194,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             for s in svc.sequence_stats():
                 race.progress(*where[s["request_id"]], s["generated"])
             for p, j in race.poll():
+                if turns is not None:
+                    turns.cancel((p, j))
                 partial = svc.abort(rids[p][j])
                 if partial is not None:
                     aborted += 1
@@ -184,8 +215,10 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     statuses = [results[pj] for pj in kept] if score else []
     wasted = sum(len(c.tokens) for p, row in enumerate(comps) for j, c in enumerate(row)
                  if c is not None and (p, j) not in wanted)
-    stats = dict(items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
-                 first_error=first_error[0] if first_error else "", seconds=time.perf_counter() - t0,
+    scored = turns.stats() if turns is not None else dict(
+        items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
+        first_error=first_error[0] if first_error else "")
+    stats = dict(**scored, seconds=time.perf_counter() - t0,
                  engine_steps=engine_steps, accepted=accepted,
                  dropped=[] if race is None else list(race.dropped), aborted=aborted, aborted_tokens=aborted_tokens,
                  wasted_tokens=wasted + aborted_tokens)

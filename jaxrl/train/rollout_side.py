@@ -10,7 +10,9 @@ What it owns, each built from its config section:
     speculative draw and race, dynamic sampling's waves, a long round from the long-prompt queue);
   * the rollout service (`RolloutService`: the instances, PAT's switch driver `svc.adaptive`);
   * StreamRL's skew placement (`SkewStep`: the length ranker, long-tail instances, LPT order);
-  * RollPacker's TP planner (the layout of the next round type, from this round's preemptions).
+  * RollPacker's TP planner (the layout of the next round type, from this round's preemptions);
+  * multi-turn (`rollout.env`, `jaxrl.train.trajectories`): each sample a trajectory whose environment steps in
+    the reward workers as its turns end, continued in the engine with each observation.
 The gradient streams (RollPacker's stream trainer, StreamRL's pipelining on the train pool) are fed from
 here as groups are scored: each rollout begins them once (dynamic sampling's waves all join one stream).
 
@@ -39,7 +41,7 @@ from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layou
 from jaxrl.rollout.tail_batching import TailBatcher
 
 from . import rl
-from .batch import Sample
+from .batch import Sample, trained_mask
 from .context import Policy
 from .distributed import allgather, exchange, global_sum
 from .grad_stream import GradientStream
@@ -48,6 +50,7 @@ from .rounds import tail_round
 from .skew_step import SkewStep
 from .shrink import kept_instances
 from .stream import StreamTrainer
+from .trajectories import MultiTurn, env_metrics
 
 log = logging.getLogger("jaxrl.train")
 
@@ -76,10 +79,11 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> PromptDataset:
 class RolloutSide:
     def __init__(self, cfg: TrainConfig, tokenizer, dataset: PromptDataset, svc: RolloutService, policy: Policy,
                  rewards: RewardScheduler, reward_guard: rl.RewardFailureGuard, *, stream: StreamTrainer | None,
-                 gstream: GradientStream | None, run_dir: Path):
+                 gstream: GradientStream | None, run_dir: Path, turns: MultiTurn | None = None):
         self.cfg, self.tokenizer, self.dataset, self.svc, self.policy = cfg, tokenizer, dataset, svc, policy
         self.rewards, self.reward_guard, self.stream, self.gstream = rewards, reward_guard, stream, gstream
         self.run_dir, self.is_main = run_dir, jax.process_index() == 0
+        self.turns = turns              # multi-turn (rollout.env): trajectories with an environment
         self.engine_version = 0         # the step whose weights the generation instances hold
         self.prefetched: Prefetched | None = None      # one-step-async: the next step's rollout, already made
         n_proc, per_step, tb = jax.process_count(), cfg.algo.prompts_per_step // jax.process_count(), \
@@ -126,20 +130,23 @@ class RolloutSide:
         waves, or a long round from the queue), on the weights the generation instances hold now.
         `score=False`: no rewards here (the graph's reward node scores the batch afterwards)."""
         cfg = self.cfg
+        score = score or self.turns is not None     # multi-turn: the environments score during the rollout
         t0 = time.perf_counter()
         preempted = total_preemptions(self.svc)
         on_group = self.begin_streams()
         drop_equal = self.tail is not None and cfg.rollout.tail_batching.dynamic_sampling
 
         def rollout(rows, race=None, responses=None):      # one round, or one of dynamic sampling's waves
-            prompts = encode_prompts(rows, self.tokenizer, cfg.data.chat)
+            turns = self.turns.round(self.svc, rows) if self.turns else None    # an environment reset per row
+            prompts = encode_prompts(turns.rows if turns else rows, self.tokenizer, cfg.data.chat)
             hooks = {}
             if on_group is not None:     # each scored group, with its advantages, to the gradient stream
                 def group(p, comps, rewards):
                     if drop_equal and np.all(rewards == rewards[0]):
                         return           # dynamic sampling drops it after the round (a long round's filter)
                     adv = rl.advantages(cfg, rewards, [len(c.tokens) for c in comps])
-                    on_group([Sample(prompts[p], c.tokens, a, kv=c.kv) for c, a in zip(comps, adv)])
+                    on_group([Sample(prompts[p], c.tokens, a, kv=c.kv, mask=trained_mask(c))
+                              for c, a in zip(comps, adv)])
                 hooks["on_group"] = group
             if self.stream:              # milestone checks after each engine step (may free half the devices)
                 hooks["on_step"] = lambda finished, total: self.stream.on_progress(self.svc, finished, total,
@@ -149,7 +156,7 @@ class RolloutSide:
                     self.svc, ps, max_long=kept_instances(self.svc) if self.stream else None)
             return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
                                         self.tokenizer.eos_ids, race=race, responses=responses, score=score,
-                                        **hooks)
+                                        turns=turns, **hooks)
 
         plan = None
         if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
@@ -162,6 +169,8 @@ class RolloutSide:
             comps, rewards, rstats = rollout(rows)
         preempted = int(global_sum(total_preemptions(self.svc) - preempted))
         mech = self._mechanism_metrics(step, plan, preempted)
+        if self.turns:
+            mech.update(env_metrics(rstats["env"]))
         if cfg.trainer.async_steps and (self.planner or self.svc.adaptive is not None):
             self.relayout()       # the next rollout starts before the sync: its layout is set here, at this one's end
         if score:

@@ -24,6 +24,7 @@ round only, and a wave is a whole speculative draw (not a bare batch of prompts)
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 from jaxrl.rollout.tail_batching import Race, RoundPlan, TailBatcher
 
 from .distributed import global_sum
+from .trajectories import merge_counters
 
 _SUMMED = ("items", "timeouts", "crashes", "seconds", "engine_steps", "aborted", "aborted_tokens", "wasted_tokens")
 
@@ -83,6 +85,8 @@ def tail_round(tail: TailBatcher, draw: Callable[[], list[dict]], dataset, step:
         for k in _SUMMED:
             merged[k] += st[k]
         merged["first_error"] = merged["first_error"] or st["first_error"]
+        if "env" in st:                        # multi-turn counters
+            merged["env"] = merge_counters(merged.get("env", Counter()), st["env"])
         merged["dropped"] += len(st["dropped"])
         rows += [wave.rows[p] for p in st["accepted"]]
         comps += c

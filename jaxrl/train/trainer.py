@@ -55,6 +55,7 @@ from .preflight import ResumePlan, StartupError, check_tokenizer, discard_unstar
 from .rollout_side import RolloutSide, load_prompts
 from .step_metrics import placement_metrics, step_metrics, tail_metrics
 from .stream import StreamTrainer
+from .trajectories import MultiTurn
 from .warm_start import supervised_warm_start
 from .warm_up import warm_up
 
@@ -96,6 +97,11 @@ class Trainer:
             self.pool.close()
             raise StartupError(str(e)) from None
         rewards = RewardScheduler.from_config(cfg.rewards, self.pool)   # cancellation; code: sandbox, timeouts
+        try:                 # multi-turn (rollout.env): environments stepped in the same worker pool
+            turns = MultiTurn.from_config(cfg, self.tokenizer, self.pool, self.dataset)
+        except ValueError as e:
+            self.pool.close()
+            raise StartupError(f"rollout.env: {e}") from None
         layout = cfg.train_layout.build()
         train_devices, gen_devices = _devices(cfg, layout)
         mesh = layout.make_mesh(train_devices)
@@ -129,7 +135,7 @@ class Trainer:
                 self.balance = ScaleUp(cfg.stage_balance, cfg.engine.tp)
         rs = RolloutSide(cfg, self.tokenizer, self.dataset, svc, policy, rewards,
                          rl.RewardFailureGuard(cfg.rewards.max_failed_steps), stream=stream, gstream=gstream,
-                         run_dir=self.run_dir)
+                         run_dir=self.run_dir, turns=turns)
         try:        # DistFlow: the step's graph, planned and bound to its functions before any work
             self.flow = Flow.build(cfg, streamed_update=bool(stream or gstream))
         except GraphError as err:

@@ -1,5 +1,6 @@
 """The supervised warm start: NLL steps on the built-in tasks' demonstrations before RL, so the policy
-sometimes succeeds (skipped, with one line, for data of other tasks: only built-in rows have
+sometimes succeeds (with an environment, `rollout.env`: each task's demonstration turns played against it, the
+observations masked) (skipped, with one line, for data of other tasks: only built-in rows have
 demonstrations)."""
 
 from __future__ import annotations
@@ -10,14 +11,31 @@ import jax
 from tqdm import tqdm
 
 from jaxrl.config.train import TrainConfig
-from jaxrl.data import DataLoader, encode_demonstrations
-from jaxrl.data.tasks import TASKS
+from jaxrl.data import DataLoader, encode_demonstrations, encode_prompts
+from jaxrl.data.tasks import TASKS, Example, get_task
+from jaxrl.envs.registry import env_name, make_env
+from jaxrl.envs.render import ObservationFormat, demonstration
 
 from . import rl
 from .batch import Sample
 from .optim import init_state, make_optimizer
 from .step import LossSpec, make_train_step
 from .update import Updater
+
+
+def demonstrations(rows: list[dict], tokenizer, cfg: TrainConfig) -> list[Sample]:
+    """One training sample per row: its task's ideal response; with an environment (rollout.env) the task's
+    ideal turns played against it, the observations masked out (`jaxrl.envs.render.demonstration`)."""
+    if cfg.rollout.env is None:
+        return [Sample(p, r, 0.0) for p, r in encode_demonstrations(rows, tokenizer, cfg.data.chat)]
+    fmt, out = ObservationFormat(tokenizer, cfg.data.chat), []
+    for row in rows:
+        turns = get_task(row["task"]).demonstration_turns(Example(row["prompt"], row["answer"], row["task"]))
+        opening, response, mask = demonstration(make_env(env_name(row, cfg.rollout.env)), row, turns, tokenizer,
+                                                fmt, tokenizer.eos_ids[0])
+        prompt = encode_prompts([{**row, "prompt": row["prompt"] + opening}], tokenizer, cfg.data.chat)[0]
+        out.append(Sample(prompt, response, 0.0, mask=mask))
+    return out
 
 
 def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, shardings, mesh, pack_len: int,
@@ -44,8 +62,7 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
         cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1))
     bar = tqdm(range(w.steps), desc="warm start", disable=not is_main)
     for i in bar:
-        pairs = encode_demonstrations(next(loader), tokenizer, cfg.data.chat)
-        samples = [Sample(p, r, 0.0) for p, r in pairs]
+        samples = demonstrations(next(loader), tokenizer, cfg)
         if updater:
             mbs = rl.micro_batches(samples, sft_cfg, mesh, pack_len, cfg.rollout.max_new_tokens, mb_rows)
             params, opt, m = updater.update(params, opt, mbs)
