@@ -36,7 +36,8 @@ def _run(tmp_path: Path, name: str, argv: list[str], steps: int = 10) -> Path:
     rows = [{"step": -1, "sft_loss": 1.0}] + [
         {"step": i, "reward_mean": 0.1 * i, "pass_rate": 0.01 * i, "step_seconds": 0.5 + i, "rollout_s": 0.1,
          "train_s": 0.3, "response_len_mean": 5.0, "response_len_max": 9, "compiles": 0,
-         "critic/explained_var": 0.1 * i} for i in range(steps)]
+         "critic/explained_var": 0.1 * i, "env/tool_success": 0.05 * i, "env/tool_calls": 100 + i,
+         "env/format_errors": 10 - i, "env/turns_mean": 1.5} for i in range(steps)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_summary(run, 125.0, argv=argv)
     (run / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n" + name.encode())
@@ -74,7 +75,17 @@ def test_from_copies_each_run(tmp_path, monkeypatch):
     pairs = _run(tmp_path, "pairs", ["rollout.skew.enabled=true", "steps=40", "warm_start.steps=400"])
     qr.main(["length-pairs", "--from", str(pairs), "--out-dir", str(out)])
     assert (out / "quickstart_length_pairs.jsonl").read_bytes() == (pairs / "length_pairs.jsonl").read_bytes()
+
+    turns = _run(tmp_path, "turns", ["--config", "configs/multiturn.yaml"])
+    qr.main(["multiturn", "--from", str(turns), "--out-dir", str(out)])
+    got = json.loads((out / "multiturn.json").read_text())
+    assert {k: v for k, v in got.items() if not k.startswith("env/")} == json.loads((turns / "summary.json").read_text())
+    assert got["env/tool_success_first"] == pytest.approx(0.025) and got["env/tool_calls_last"] == pytest.approx(108.5)
+    assert (out / "multiturn_curves.png").read_bytes() == (turns / "curves.png").read_bytes()
     assert sorted(p.name for p in out.iterdir()) == sorted(qr.OUTPUTS)
+    monkeypatch.setattr(docs, "RESULTS", out)                  # the multi-turn table from what the script wrote
+    assert "| tool success (calls that ran, of all calls), first 20% → last 20% | 0.03 → 0.43 |" in \
+        docs.RENDERERS["multiturn-run"]()
 
     monkeypatch.setattr(docs, "RESULTS", out)                  # the PPO table from what the script wrote
     text = docs.RENDERERS["ppo-quickstart"]()

@@ -231,3 +231,22 @@ def test_the_readme_environment_runs(tmp_path, weights, monkeypatch):
     assert stats["env"]["trajectories"] == 2 * G and stats["crashes"] == 0
     hints = [tok.decode(c.tokens[a:b]) for c in comps for a, b in c.appended]
     assert hints and all(h.split("<tool_response>")[1].split("<")[0] in ("higher", "lower") for h in hints)
+
+
+def test_rollouts_in_a_row_are_independent(weights, pool):
+    """Keys (prompt, sample) repeat from one rollout to the next: a trajectory that ended in the engine (EOS, the
+    budget) must not leave its turn count behind, or the next rollout's trajectory of that key would reach
+    max_turns early. Two rollouts through one MultiTurn equal each through a fresh one. (Budget 30: the second
+    observation does not fit, so trajectories end `truncated`, not at the runner's turn limit.)"""
+    cfg, tok = config("rollout.max_new_tokens=30"), CharTokenizer()
+    svc = RolloutService(MODEL, weights, tp=1, instances=1, page_size=8, num_pages=96, max_seq_len=96)
+    mt = MultiTurn(cfg, tok, pool)
+    shared = []
+    for step in (1, 2):
+        rnd = mt.round(svc, rows_of(4))
+        prompts = encode_prompts(rnd.rows, tok, True)
+        shared.append(rl.rollout_and_score(svc, pool, tok, cfg, prompts, rows_of(4), step, tok.eos_ids, turns=rnd)[0])
+    assert sum(len(c.appended) == 1 for c in shared[0]) > 0            # (some did end truncated)
+    fresh = [run(cfg, weights, pool, rows_of(4), step=step)[3] for step in (1, 2)]
+    assert [[(c.tokens, c.appended) for c in cs] for cs in shared] == [[(c.tokens, c.appended) for c in cs]
+                                                                       for cs in fresh]

@@ -288,7 +288,7 @@ class TrainConfig(Section):
 
     def _check_multi_turn(self):
         """Multi-turn (rollout.env) combinations that would train on the observations, refused with the reason."""
-        if self.rollout.env is None:
+        if getattr(self.rollout, "env", None) is None:    # (a plain SamplingSection has no environment)
             return
         if self.algo.advantage == "gae":
             raise ConfigError("rollout.env", "PPO's critic and GAE treat every response token as an action, and a "

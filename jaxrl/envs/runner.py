@@ -79,6 +79,10 @@ class EnvRunner:
                 self.pool.cancel(item_id)         # (a running step finishes or times out; its result is dropped)
         self.turns.pop(key, None)
 
+    def forget(self, key) -> None:
+        """Trajectory `key` is over (whatever ended it): its turn count goes (a later trajectory may reuse the key)."""
+        self.turns.pop(key, None)
+
     @property
     def pending(self) -> int:
         return len(self._items)

@@ -67,7 +67,7 @@ class MultiTurn:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, tokenizer, pool, rows=()) -> "MultiTurn | None":
-        return cls(cfg, tokenizer, pool, rows) if cfg.rollout.env is not None else None
+        return cls(cfg, tokenizer, pool, rows) if getattr(cfg.rollout, "env", None) is not None else None
 
     def params(self, params: SamplingParams) -> SamplingParams:
         """A rollout request's params with this run's turn stops."""
@@ -107,10 +107,20 @@ class TurnRound:
         row's env."""
         for j, rid in enumerate(rids):
             self.live[p, j] = [rid, copy.deepcopy(self.envs[p]), None, False, 0.0, 0, params.max_new_tokens]
+            self.mt.runner.forget((p, j))     # (keys repeat across rollouts: the runner's turn count starts at 0)
 
     def turn_ended(self, key, c: Completion) -> None:
-        """A completion of trajectory `key` came out of the engine (a turn stop, or its end): step its env."""
-        t = self.live[key]
+        """A completion of trajectory `key` came out of the engine (a turn stop, or its end): step its env. A
+        trajectory given up already (the race aborted it while this step was in flight) is dropped, its pages
+        freed if it paused."""
+        t = self.live.get(key)
+        if t is None:
+            if c.finish_reason == "turn":
+                try:
+                    self.svc.finish(c.request_id)
+                except KeyError:          # (the abort removed it)
+                    pass
+            return
         since = c.appended[-1][1] if c.appended else 0
         t[2], t[3], t[5] = c, c.finish_reason != "turn", t[5] + 1
         self.mt.runner.submit(key, t[1], self.mt.tokenizer.decode(c.tokens[since:]))
@@ -149,6 +159,7 @@ class TurnRound:
             if not ended:
                 c = self.svc.finish(rid)
             del self.live[key]
+            self.mt.runner.forget(key)
             self._count_trajectory(c, turns)
             out.append((key, c, t[4], status))
         return out

@@ -26,7 +26,7 @@ from .update import Updater
 def demonstrations(rows: list[dict], tokenizer, cfg: TrainConfig) -> list[Sample]:
     """One training sample per row: its task's ideal response; with an environment (rollout.env) the task's
     ideal turns played against it, the observations masked out (`jaxrl.envs.render.demonstration`)."""
-    if cfg.rollout.env is None:
+    if getattr(cfg.rollout, "env", None) is None:
         return [Sample(p, r, 0.0) for p, r in encode_demonstrations(rows, tokenizer, cfg.data.chat)]
     fmt, out = ObservationFormat(tokenizer, cfg.data.chat), []
     for row in rows:
