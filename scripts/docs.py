@@ -176,37 +176,6 @@ def ppo_quickstart() -> str:
             + footer(PPO_QUICKSTART, QUICKSTART, who=f"PPO: {machine(p)}; GRPO: {machine(g)}"))
 
 
-MULTITURN_RUN = "multiturn.json"
-
-
-@renders("multiturn-run")
-def multiturn_run() -> str:
-    """configs/multiturn.yaml's run (scripts/quickstart_results.py multiturn): reward and tool use over RL."""
-    if not (RESULTS / MULTITURN_RUN).exists():
-        return ("**Not measured yet:** `scripts/venv.sh python scripts/quickstart_results.py multiturn`, then "
-                "`scripts/venv.sh python scripts/docs.py`.")
-    q = load(MULTITURN_RUN)
-    f = lambda x, spec: "–" if x is None else format(x, spec)        # noqa: E731
-
-    def span(key, spec):
-        return f"{f(q.get(key + '_first'), spec)} → {f(q.get(key + '_last'), spec)}"
-
-    wall = q["wall_s"]
-    rows = [["command (warm start, then RL)", f"`{q['command']}`"],
-            ["wall time", f"{int(wall // 60)} min {wall % 60:.0f} s" if wall is not None else "not recorded"],
-            [f"mean reward, first 20% of RL steps ({q['window_steps']}) → last 20%", span("reward_mean", ".3f")],
-            ["pass rate (exact products), first 20% → last 20%", span("pass_rate", ".3f")],
-            ["tool success (calls that ran, of all calls), first 20% → last 20%", span("env/tool_success", ".2f")],
-            ["tool calls per step (of 128 trajectories), first 20% → last 20%", span("env/tool_calls", ".1f")],
-            ["malformed tool calls per step, first 20% → last 20%", span("env/format_errors", ".1f")],
-            ["turns per trajectory, first 20% → last 20%", span("env/turns_mean", ".2f")],
-            ["RL step, median (rollout with the tool calls + update)",
-             f"{f(q['step_seconds_median'], '.2f')} s (rollout {f(q['rollout_s_median'], '.2f')} s + update "
-             f"{f(q['train_s_median'], '.2f')} s)"],
-            ["XLA compilations after RL step 0", f(q.get("compiles_after_step0"), ".0f")]]
-    return table(["figure", "value"], "ll", rows) + "\n\n" + footer(MULTITURN_RUN)
-
-
 # ---------------------------------------------------------------------------------------------- training
 
 @renders("train-memory")
@@ -363,22 +332,6 @@ def code_rewards() -> str:
     return (table(["mode", "step 1 (no anchors yet)", f"steps 2–{n} (mean)", f"mean over {n} steps"], "llll", rows)
             + f"\n\nAdaptive ÷ fixed: {s['speedup_warm']:.1f}× per step once anchored, {s['speedup_all']:.1f}× over "
               f"all {n} steps.\n\n" + footer("bench_code_rewards.json"))
-
-
-@renders("multiturn")
-def multiturn() -> str:
-    d = load("bench_multiturn.json")
-    rows = []
-    for t, r in sorted(d["turns"].items(), key=lambda kv: int(kv[0])):
-        c, f = r["continuation"], r["reprefill"]
-        rows.append([t, spaced(c["prefilled"]), spaced(f["prefilled"]), f"{r['prefill_ratio']:.2f}×",
-                     f"{c['seconds_median']:.2f}", f"{f['seconds_median']:.2f}", f"{r['speedup']:.2f}×",
-                     "yes" if r["tokens_identical"] else "**no**"])
-    return (table(["turns", "prefilled, continuation", "prefilled, re-prefill", "ratio", "s, continuation",
-                   "s, re-prefill", "speed-up", "same tokens"], "rrrrrrrl", rows)
-            + f"\n\n{d['trajectories']} greedy trajectories of the {d['model']} model: {d['prompt']}-token prompts, "
-              f"{d['gen']} sampled tokens per turn, a {d['obs']}-token observation after each turn but the last; "
-              f"seconds are medians of {d['repeats']} interleaved repeats.\n\n" + footer("bench_multiturn.json"))
 
 
 # --------------------------------------------------------------------------------------------- StreamRL
@@ -562,6 +515,8 @@ _load_module("docs_composition", ROOT / "scripts" / "docs_composition.py").regis
                                                                                  RESULTS)
 _load_module("docs_lora", ROOT / "scripts" / "docs_lora.py").register(renders, load, table, footer, machine)
 _load_module("docs_suite", ROOT / "scripts" / "docs_suite.py").register(renders, load, table, footer, machine)
+_load_module("docs_multiturn", ROOT / "scripts" / "docs_multiturn.py").register(renders, load, table, footer, spaced,
+                                                                             lambda: RESULTS)
 
 # ------------------------------------------------------------------------------------------------ pages
 

@@ -24,6 +24,7 @@ from jaxrl.train.trajectories import MultiTurn, env_metrics
 from jaxrl.train.warm_start import demonstrations
 from models import PRESETS, init
 from models.tokenizer import CharTokenizer
+from tests.test_multiturn_engine import turns_of
 from tests.train_runs import _metrics, _params, _train
 
 MODEL = PRESETS["tiny-char"]
@@ -68,19 +69,11 @@ def run(cfg, weights, pool, rows, step=0):
     return tok, mt, prompts, comps, rewards, stats
 
 
-def turn_spans(c):
-    out, start = [], 0
-    for a, b in c.appended:
-        out.append((start, a))
-        start = b
-    return out + [(start, len(c.tokens))]
-
-
 def replay(tok, fmt, row, c, max_turns):
     """What trajectory `c` must hold: its observations' tokens and its reward, stepping a fresh Echo on its turns."""
     env, reward, obs = _testing.Echo(), 0.0, []
     env.reset(row)
-    spans = turn_spans(c)
+    spans = turns_of(c)
     assert len(spans) <= max_turns
     for k, (a, b) in enumerate(spans):
         step = env.step(tok.decode(c.tokens[a:b]))
