@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.train_runs import (COMMON, MODES, PARAM_ATOL_F32, POOLS, PPO, ROLLOUT_KEYS, ROOT, TINY, WARM_SKEW,
+from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, ROLLOUT_KEYS, ROOT, TINY, WARM_SKEW,
                               _checkpoint_leaves, _env, _metrics, _one_process, _params, _train)
 
 
@@ -27,7 +27,8 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     critic, GAE and the reward's KL on 2 processes. stream_two / stream_four: RollPacker's stream trainer,
     each process freeing half of its own instances at its own milestones and streaming its own groups'
     gradients there; the early sums meet over processes at the update. stream_kv_two: with the blockwise
-    backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's freed devices)."""
+    backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's freed devices).
+    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments."""
     extra, procs = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
@@ -40,6 +41,9 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     m1, m2 = _metrics(one), _metrics(many)
     keys = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate", "flow/samples"]
+    if "rollout.env" in " ".join(extra):
+        keys += ["env/trajectories", "env/turns", "env/turns_max", "env/observation_tokens", "env/prefill_saved"]
+        assert all(r["env/turns_max"] == 3 for r in m1)
     if "dynamic_sampling" in " ".join(extra):
         keys += ["tail/long_round", "tail/queue_len", "tail/queued", "tail/prompts_trained", "tail/aborted_responses",
                  "tail/wasted_tokens", "tail/dropped_groups", "tail/waves", "tail/batch_short", "tail/prompts_launched"]
@@ -126,11 +130,6 @@ def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
         assert [r["placement/staleness"] for r in m2] == [0, 1]
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
-
-
-# Multi-turn at the tiny size: the recipes' tools environment would end every trajectory at its first turn (a
-# random policy calls no tool), so the runs use Echo, which answers every 3-token turn until max_turns (3).
-ECHO_TURNS = ["rollout.env=jaxrl.envs._testing:Echo", "rollout.turns.turn_max_tokens=3", "rollout.max_new_tokens=32"]
 
 
 @pytest.mark.processes

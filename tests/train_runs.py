@@ -267,10 +267,14 @@ STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo
 # 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
 # The stream trainer: 2 processes and 4 (each frees its own instances, streams its own groups); with MetroRLHF's
 # blockwise backward on the rollout's K/V (each process's streamed blocks planned on its own).
+# Multi-turn at the tiny size: Echo answers every 3-token turn until max_turns (3) (a random policy would call no
+# tool, so the tools environment would end each trajectory at its first turn).
+ECHO_TURNS = ["rollout.env=jaxrl.envs._testing:Echo", "rollout.turns.turn_max_tokens=3", "rollout.max_new_tokens=32"]
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2),
          "stream_two": (STREAM, 2), "stream_four": (STREAM, 4),
-         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"], 2)}
+         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"], 2),
+         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2)}
 COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
           "critic.optim.eps=1e-3"]
 _ONE_PROCESS_RUNS = {}
