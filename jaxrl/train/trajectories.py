@@ -45,6 +45,20 @@ from .distributed import global_max, global_sum
 FAILED = {"timeout": "step_timeouts", "crash": "step_crashes"}     # a failed step's pool status -> its counter
 
 
+@dataclasses.dataclass
+class Trajectory:
+    """One live trajectory of a round: its request, its environment (as of its last step), its latest completion
+    and whether the engine ended it, the reward so far, its turns and its token budget after the prompt."""
+
+    rid: int
+    env: object
+    budget: int
+    last: Completion | None = None
+    ended: bool = False
+    reward: float = 0.0
+    turns: int = 0
+
+
 class MultiTurn:
     """A run's multi-turn side: the environment runner on the reward pool, the turn stops as token ids and
     the observation format. `round(svc, rows)` starts one rollout's trajectories."""
@@ -93,7 +107,7 @@ class TurnRound:
             self.names.append(name)
             self.envs.append(env)
             self.rows.append({**row, "prompt": row["prompt"] + opening} if opening else row)
-        self.live: dict = {}            # key -> [rid, env, last completion, ended by the engine, reward, turns]
+        self.live: dict[tuple[int, int], Trajectory] = {}
         self.counters: Counter = Counter()
         self.first_error = ""
 
@@ -106,7 +120,7 @@ class TurnRound:
         """Prompt `p`'s requests were added with `params`: each sample's trajectory starts with a copy of the
         row's env."""
         for j, rid in enumerate(rids):
-            self.live[p, j] = [rid, copy.deepcopy(self.envs[p]), None, False, 0.0, 0, params.max_new_tokens]
+            self.live[p, j] = Trajectory(rid, copy.deepcopy(self.envs[p]), params.max_new_tokens)
             self.mt.runner.forget((p, j))     # (keys repeat across rollouts: the runner's turn count starts at 0)
 
     def turn_ended(self, key, c: Completion) -> None:
@@ -122,8 +136,8 @@ class TurnRound:
                     pass
             return
         since = c.appended[-1][1] if c.appended else 0
-        t[2], t[3], t[5] = c, c.finish_reason != "turn", t[5] + 1
-        self.mt.runner.submit(key, t[1], self.mt.tokenizer.decode(c.tokens[since:]))
+        t.last, t.ended, t.turns = c, c.finish_reason != "turn", t.turns + 1
+        self.mt.runner.submit(key, t.env, self.mt.tokenizer.decode(c.tokens[since:]))
 
     def cancel(self, key) -> None:
         """Trajectory `key` was given up (tail batching's race aborted it): drop its step in flight."""
@@ -145,23 +159,23 @@ class TurnRound:
             t = self.live.get(key)
             if t is None:
                 continue
-            rid, _, c, ended, reward, turns, budget = t
-            t[1], t[4] = env, reward + step.reward
+            t.env, t.reward = env, t.reward + step.reward
             status = step.info.get("status", "ok")
             self._count(step, status, key)
-            if not (ended or step.done):
+            c = t.last
+            if not (t.ended or step.done):
                 obs = self.mt.tokenizer.encode(self.mt.format.render(step.observation))
-                if len(c.tokens) + len(obs) < budget:
-                    self.svc.add_tokens(rid, obs)
+                if len(c.tokens) + len(obs) < t.budget:
+                    self.svc.add_tokens(t.rid, obs)
                     self.counters["observation_tokens"] += len(obs)
                     continue
                 self.counters["truncated"] += 1       # the observation leaves no room to generate
-            if not ended:
-                c = self.svc.finish(rid)
+            if not t.ended:
+                c = self.svc.finish(t.rid)
             del self.live[key]
             self.mt.runner.forget(key)
-            self._count_trajectory(c, turns)
-            out.append((key, c, t[4], status))
+            self._count_trajectory(c, t.turns)
+            out.append((key, c, t.reward, status))
         return out
 
     def _count(self, step, status: str, key) -> None:
