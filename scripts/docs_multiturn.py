@@ -42,7 +42,7 @@ def register(renders, load, table, footer, spaced, results_dir):
                 [f"mean reward, first 20% of RL steps ({q['window_steps']}) → last 20%", span("reward_mean", ".3f")],
                 ["pass rate (exact products), first 20% → last 20%", span("pass_rate", ".3f")],
                 ["tool success (calls that ran, of all calls), first 20% → last 20%", span("env/tool_success", ".2f")],
-                ["tool calls per step (of 128 trajectories), first 20% → last 20%", span("env/tool_calls", ".1f")],
+                ["tool calls per trajectory, first 20% → last 20%", span("env/tool_calls_mean", ".2f")],
                 ["malformed tool calls per step, first 20% → last 20%", span("env/format_errors", ".1f")],
                 ["turns per trajectory, first 20% → last 20%", span("env/turns_mean", ".2f")],
                 ["RL step, median (rollout with the tool calls + update)",

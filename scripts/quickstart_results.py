@@ -57,7 +57,7 @@ RUNS: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
     "multiturn": (("--config", "configs/multiturn.yaml"), "runs/multiturn",
                   {"summary.json": "multiturn.json", "curves.png": "multiturn_curves.png"}),
 }
-ENV_WINDOWS = ("env/tool_success", "env/tool_calls", "env/format_errors", "env/turns_mean")   # multiturn.json adds
+ENV_WINDOWS = ("env/tool_success", "env/tool_calls_mean", "env/tool_calls", "env/format_errors", "env/turns_mean")   # multiturn.json adds
 OUTPUTS = ("quickstart.json", "quickstart_curves.png", "ppo_quickstart.json", "ppo_quickstart_curves.png",
            "lora_quickstart.json", "lora_quickstart_curves.png", "quickstart_length_pairs.jsonl",
            "multiturn.json", "multiturn_curves.png")       # what it writes into scripts/results/ (tests/test_docs.py)

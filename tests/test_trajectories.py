@@ -13,6 +13,7 @@ import pytest
 from jaxrl.config import CONFIGS_DIR, load_config
 from jaxrl.config.train import TrainConfig
 from jaxrl.data import encode_prompts
+from jaxrl.data.tasks import CALC_DIRECT_DEMOS, calc_uses_tool
 from jaxrl.envs import _testing
 from jaxrl.envs.render import ObservationFormat, demonstration
 from jaxrl.envs.registry import make_env
@@ -169,19 +170,25 @@ def test_observation_format_follows_the_chat_template():
 
 
 def test_calc_demonstration_calls_the_tool_and_masks_its_answer():
-    """The warm start's calc trajectory: the call, the calculator's real output (masked), the answer + EOS."""
+    """The warm start's calc trajectory: the call, the calculator's real output (masked), the answer + EOS;
+    for the CALC_DIRECT_DEMOS share of the prompts (stable, by hash) the answer alone, no tool."""
     cfg = load_config(TrainConfig, [], CONFIGS_DIR / "multiturn.yaml")
     tok = CharTokenizer()
-    row = dict(prompt="calc 482*397", answer="191354", task="calc")
+    prompts = [f"calc {a}*{b}" for a in range(10, 100) for b in range(10, 100)]
+    direct = [p for p in prompts if not calc_uses_tool(p)]
+    assert len(direct) / len(prompts) == pytest.approx(CALC_DIRECT_DEMOS, abs=0.02)
+    (d,) = demonstrations([dict(prompt=direct[0], answer="1", task="calc")], tok, cfg)
+    assert tok.decode(d.response) == "1" and d.response[-1] == tok.eos_ids[0] and all(d.mask)
+    row = dict(prompt="calc 48*39", answer="1872", task="calc")
     (s,) = demonstrations([row], tok, cfg)
     text = tok.decode(s.response)
-    assert text == ('<tool_call>{"name":"calculator","arguments":{"expression":"482*397"}}</tool_call>'
-                    '\nT: <tool_response>191354</tool_response>\nA: 191354')
+    assert text == ('<tool_call>{"name":"calculator","arguments":{"expression":"48*39"}}</tool_call>'
+                    '\nT: <tool_response>1872</tool_response>\nA: 1872')
     masked = tok.decode([t for t, m in zip(s.response, s.mask) if not m])
-    assert masked == "\nT: <tool_response>191354</tool_response>\nA: "
+    assert masked == "\nT: <tool_response>1872</tool_response>\nA: "
     assert s.response[-1] == tok.eos_ids[0] and s.mask[-1] == 1
     with pytest.raises(ValueError, match="ended the trajectory"):
-        demonstration(make_env("calculator"), row, ["191354", "again"], tok, ObservationFormat(tok), 2)
+        demonstration(make_env("calculator"), row, ["1872", "again"], tok, ObservationFormat(tok), 2)
 
 
 def test_multi_turn_config_refusals():

@@ -32,10 +32,12 @@ program on them in the sandbox ("code" reward: 1 when every case passes, else 0)
 8-10 characters, demonstrations 20-32.
 
 `calc` (opt-in, multi-turn: `configs/multiturn.yaml`) asks for the product of two 2-digit numbers ("calc
-48*39" -> "1872"), which a tiny model cannot compute in its head: its demonstration (`demonstration_turns`)
-calls the calculator tool in one turn and answers with the tool's result in the next; the reward is 1 for the
-exact product, else 0 (a prefix score would pay for leading digits right by chance: noise that GRPO's
-normalisation amplifies).
+48*39" -> "1872"), which a tiny model cannot compute in its head. Its demonstrations (`demonstration_turns`)
+show two strategies, each correct on its row: for most rows a calculator call in one turn and the tool's result
+as the answer in the next, for a stable share (`CALC_DIRECT_DEMOS`, by a hash of the prompt) the product written
+directly with no tool. Only the tool generalises to products the model has not memorised, and which strategy
+pays is what RL has to find out. The reward is 1 for the exact product, else 0 (a prefix score would pay for
+leading digits right by chance: noise that GRPO's normalisation amplifies).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import string
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -171,8 +174,20 @@ def exact_score(response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
+CALC_DIRECT_DEMOS = 0.5      # the share of `calc` demonstrations that answer without the tool
+
+
+def calc_uses_tool(prompt: str) -> bool:
+    """Whether the warm start demonstrates `prompt` with the calculator (stable: a CRC-32 of the prompt), or
+    answers it directly (a CALC_DIRECT_DEMOS share of the prompts)."""
+    return zlib.crc32(prompt.encode()) % 1000 >= CALC_DIRECT_DEMOS * 1000
+
+
 def calc_turns(ex: Example) -> list[str]:
-    """A `calc` trajectory: one calculator call (the Qwen3/Hermes format, `jaxrl.envs.tools`), then the answer."""
+    """A `calc` demonstration: one calculator call (the Qwen3/Hermes format, `jaxrl.envs.tools`) then the
+    answer, or for the rows `calc_uses_tool` says not, the answer alone."""
+    if not calc_uses_tool(ex.prompt):
+        return [ex.answer]
     expression = ex.prompt.split(" ", 1)[1]
     call = '{"name":"calculator","arguments":{"expression":"' + expression + '"}}'
     return [f"<tool_call>{call}</tool_call>", ex.answer]

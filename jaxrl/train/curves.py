@@ -7,7 +7,7 @@ same from a shell, e.g. for a run still in progress:
     python scripts/plot_run.py RUN_DIR --out plot.png
 
 Two panels over the step: ``reward_mean`` (raw, thin) with its trailing moving average (and, for a
-multi-turn run, ``env/tool_success``'s), and ``response_len_mean`` / ``response_len_max``. When rows carry a ``"phase"`` (e.g. ``"sft"`` then
+multi-turn run, ``env/tool_calls_mean``'s and ``env/tool_success``'s), and ``response_len_mean`` / ``response_len_max``. When rows carry a ``"phase"`` (e.g. ``"sft"`` then
 ``"rl"``) each phase's span is shaded and labelled on both panels. A metric that is absent or
 ``null`` (non-finite) at some steps leaves a gap; a run of a few steps is drawn with markers.
 Lines that are not JSON (a half-written last line of a live or killed run) are skipped.
@@ -108,11 +108,14 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
         ax_r.plot(steps, moving_average(reward, window), color="tab:blue", lw=2, label=f"moving average ({window} steps)")
     if not drew:
         ax_r.text(0.5, 0.5, "no reward_mean logged", transform=ax_r.transAxes, ha="center", va="center", color="gray")
-    s, success = series(rows, "env/tool_success")          # multi-turn runs: tool calls that ran, of all calls
-    if np.isfinite(success).any():
-        ax_r.plot(s, moving_average(success, window), color="tab:purple", lw=2,
-                  label="env/tool_success" + (f" (moving average, {window} steps)" if window > 1 else ""))
-    ax_r.set_ylabel("reward" + (" / tool success" if np.isfinite(success).any() else ""))
+    tools = False          # multi-turn runs: tool calls per trajectory, and the calls that ran of all calls
+    for key, color in (("env/tool_calls_mean", "tab:orange"), ("env/tool_success", "tab:purple")):
+        s, v = series(rows, key)
+        if np.isfinite(v).any():
+            tools = True
+            ax_r.plot(s, moving_average(v, window), color=color, lw=2,
+                      label=key + (f" (moving average, {window} steps)" if window > 1 else ""))
+    ax_r.set_ylabel("reward" + (" / tool calls, success" if tools else ""))
 
     drew_len = False
     for key, color in (("response_len_mean", "tab:green"), ("response_len_max", "tab:red")):

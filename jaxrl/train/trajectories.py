@@ -214,10 +214,11 @@ def merge_counters(a: Counter, b: Counter) -> Counter:
 
 def env_metrics(counters) -> dict:
     """The `env/` metrics of a rollout's counters, over all processes: the sums, turns per trajectory (mean and
-    max) and the tool success rate (calls that ran without error, of all calls including malformed ones)."""
+    max), tool calls per trajectory and the tool success rate (calls that ran without error, of all calls including malformed ones)."""
     n = dict(zip(SUMMED, (float(x) for x in global_sum([float(counters.get(k, 0)) for k in SUMMED]))))
     out = {f"env/{k}": int(v) if k != "tool_seconds" else v for k, v in n.items()}
     out["env/turns_mean"] = n["turns"] / max(n["trajectories"], 1.0)
     out["env/turns_max"] = int(global_max(int(counters.get("turns_max", 0))))
+    out["env/tool_calls_mean"] = n["tool_calls"] / max(n["trajectories"], 1.0)
     out["env/tool_success"] = (n["tool_calls"] - n["tool_errors"]) / max(n["tool_calls"] + n["format_errors"], 1.0)
     return out
