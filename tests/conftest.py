@@ -12,8 +12,9 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA:CPU's LLVM IR fusion emitters instead of its newer MLIR ones (--xla_cpu_use_fusion_emitters=false), for the
 # same reason: each program compiles in less than half the time (a cold 2-step train run's 49 compilations 7.2 s ->
 # 2.9 s; tests/test_paged_attention.py and tests/test_forward_block.py, empty cache: 103 -> 50 CPU-s). The runs at
-# the default level (`tests/train_runs.DEFAULT_OPT`) use XLA's default emitters too. XLA_FLAGS= runs the suite with
-# them; a bench script's device count is asked for with jax_num_cpu_devices, not XLA_FLAGS.
+# the default level (`tests/train_runs.DEFAULT_OPT`) keep them; the one whose golden records the weights' bits
+# (`GOLDEN_OPT`) uses XLA's default emitters. XLA_FLAGS= runs the suite with them; a bench script's device count
+# is asked for with jax_num_cpu_devices, not XLA_FLAGS.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
 
 import jax  # noqa: E402

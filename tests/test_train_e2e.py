@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.train_runs import (DEFAULT_OPT, DYNAMIC, ROOT, TAIL, _metrics, _params, _train, _train_together,
-                              run_main)
+from tests.train_runs import (DEFAULT_OPT, DYNAMIC, GOLDEN_OPT, ROOT, TAIL, _metrics, _params, _train,
+                              _train_together, run_main)
 
 
 # tests/golden/flow_default.json's metrics on a CPU other than the one that recorded them: XLA:CPU compiles for
@@ -37,7 +37,7 @@ def test_run_dir_contents(tmp_path):
     metrics within CROSS_CPU_RTOL, and where `params_sha256` lists the CPU model (the weights this graph's
     run gave there when it was added), the same weights bit for bit."""
     _train(tmp_path, "steps=2", "save_every=1", "profile_steps=1:2", "algo.kl_coef=0.05",   # + reference policy
-           env=DEFAULT_OPT)                                                                  # (the golden's level)
+           env=GOLDEN_OPT)                                                              # (the golden's settings)
     rows = _metrics(tmp_path)
     golden = json.loads((ROOT / "tests" / "golden" / "flow_default.json").read_text())
     digest = hashlib.sha256(b"".join(a.tobytes() for a in _params(tmp_path))).hexdigest()
