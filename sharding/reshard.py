@@ -15,7 +15,10 @@ second copy of a whole `[L, ...]` leaf as a single `device_put` may need. With `
 leaf is deleted as soon as it has been moved, so peak total memory is about weights + one leaf, not 2x weights.
 (The source leaf cannot be freed layer by layer: it is one buffer per device.) The per-layer path needs the
 `layers` dimension unsharded on both sides and `NamedSharding`s; otherwise that leaf is moved whole (the
-project's rules never shard `layers`, so this is a fallback, not a path in use).
+project's rules never shard `layers`, so this is a fallback, not a path in use). `whole_leaf_bytes=N` moves a
+stacked leaf of at most N bytes whole too: its transient is then at most N bytes, and a small model's leaves
+(the tests' tiny ones) skip the per-layer programs (one take and one put per target sharding and shape, each
+traced and compiled for every instance's devices: ~3 s of a cold 2-step 8-instance tiny train run's ~20 CPU-s).
 
 Other leaves (embedding, final norm, LM head) move with one `jax.device_put`. A leaf whose source sharding is
 already equivalent to the target (same device -> index map) is relabelled with the target sharding without a copy
@@ -178,15 +181,16 @@ def _move_stacked(x: jax.Array, dst: Sharding, src_layer: NamedSharding, dst_lay
 
 
 def reshard(weights: Any, target_shardings: Any, *, donate: bool | Callable[[jax.Array], bool] = False,
-            stacked: Callable[[str], bool] = is_layer_path,
+            stacked: Callable[[str], bool] = is_layer_path, whole_leaf_bytes: int = 0,
             progress: Callable[[], None] | None = None) -> tuple[Any, ReshardReport]:
     """Move every leaf of `weights` (a pytree of `jax.Array`) to the matching leaf of `target_shardings`.
 
     Values are exact (copies, no arithmetic). `stacked(path)` says which leaves are stacked on a leading layer
     axis and move one layer at a time (default: the `layers.*` subtree; pass `lambda p: True` for a KV cache
     `[layers, ...]`). With `donate=True` the source arrays are consumed (deleted once moved); `donate` may also
-    be a predicate on each source leaf (only the leaves it accepts are consumed). `progress()`, if
-    given, is called after every layer step and every moved leaf (memory probes, progress bars).
+    be a predicate on each source leaf (only the leaves it accepts are consumed). A stacked leaf of at most
+    `whole_leaf_bytes` moves whole, like the other leaves (default 0: every stacked leaf layer by layer).
+    `progress()`, if given, is called after every layer step and every moved leaf (memory probes, progress bars).
     """
     start = time.perf_counter()
     src, treedef = _flatten(weights)
@@ -217,7 +221,7 @@ def reshard(weights: Any, target_shardings: Any, *, donate: bool | Callable[[jax
             continue
         moved_leaves += 1
         src_layer = dst_layer = None
-        if stacked(path) and x.ndim >= 1 and x.shape[0] > 0:
+        if stacked(path) and x.ndim >= 1 and x.shape[0] > 0 and x.nbytes > whole_leaf_bytes:
             src_layer, dst_layer = _layer_sharding(x.sharding, x.ndim), _layer_sharding(target, x.ndim)
         if src_layer is not None and dst_layer is not None:
             # Count per step, so the report is the sum over what was actually sent, layer by layer.

@@ -202,6 +202,16 @@ def test_reshard_layer_steps_bound_transient_memory():
     assert report.layer_steps == cfg.num_layers * len(jax.tree.leaves(weights.layers))
     assert report.max_step_bytes == largest // cfg.num_layers
     _assert_equal(weights.layers, layers_only)
+    # whole_leaf_bytes: the leaves of at most that size move in one step (the weight sync's small-leaf path), the
+    # others still layer by layer; the same values, the same bytes counted
+    sizes = sorted(x.nbytes for x in jax.tree.leaves(weights.layers))
+    cut = sizes[len(sizes) // 2]
+    mixed, r2 = reshard(weights.layers, dst_sh.layers, stacked=lambda path: True, whole_leaf_bytes=cut)
+    per_layer = [x for x in jax.tree.leaves(weights.layers) if x.nbytes > cut]
+    assert 0 < len(per_layer) < len(sizes) and r2.layer_steps == cfg.num_layers * len(per_layer)
+    assert r2.max_step_bytes == max(cut, max(x.nbytes for x in per_layer) // cfg.num_layers)
+    assert r2.bytes_moved == report.bytes_moved
+    _assert_equal(weights.layers, mixed)
 
 
 def test_reshard_donate_consumes_source():

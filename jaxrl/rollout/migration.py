@@ -203,8 +203,9 @@ def _contiguous_bytes(svc, abstract, old_meshes, new_meshes) -> int:
 
 
 def _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe):
-    """Steps 3-5 from one source copy: free the redundant old copies, reshard the remaining one (or the
-    caller's `weights`) layer by layer into each new instance, the last copy consuming the source."""
+    """Steps 3-5 from one source copy: free the redundant old copies, reshard the remaining one layer by layer (or
+    the caller's `weights`, a weight sync: as `update_weights` moves them, small leaves whole) into each new
+    instance, the last copy consuming the source."""
     if weights is None:
         src_w, external, stale = old[0].weights, old[0].external, old[1:]
     else:
@@ -214,11 +215,13 @@ def _reshard_from_one(svc, old, meshes, weights, max_batch, num_pages, probe):
         _delete(inst.weights, src_buf | inst.external | external)
     probe()
     new, weight_bytes, held, weight_s = [], 0, set(), 0.0
+    whole = 0 if weights is None else svc.SYNC_WHOLE_LEAF_BYTES
     for j, mesh in enumerate(meshes):                           # 4. weights, 5. instances
         keep = external | held                                   # buffers someone else still needs
         last = j == len(meshes) - 1
         t_w = time.perf_counter()
-        w, r = svc.place(src_w, mesh, progress=probe, donate=(lambda x: not buffers(x) & keep) if last else False)
+        w, r = svc.place(src_w, mesh, progress=probe, donate=(lambda x: not buffers(x) & keep) if last else False,
+                         whole_leaf_bytes=whole)
         jax.block_until_ready(w)
         weight_s += time.perf_counter() - t_w
         mine = buffers(w)

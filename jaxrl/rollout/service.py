@@ -55,6 +55,12 @@ KV_MODES = ("migrate", "recompute")
 
 class RolloutService:
     synced_bytes = 0        # weight bytes the syncs (update_weights, relayout(weights=)) moved, in total
+    # A weight sync (an instance's first copy, `update_weights`, a relayout given new weights) moves a stacked leaf
+    # of at most this many bytes whole (`sharding.reshard`'s whole_leaf_bytes): at most 4 MiB of transient, and a
+    # small model skips the per-layer programs traced and compiled for every instance's devices. A real model's
+    # stacked leaves (one 0.6B layer's MLP weight is 6 MB, x 28 layers) still move layer by layer; PAT's relayout
+    # from the instances' own copies always does.
+    SYNC_WHOLE_LEAF_BYTES = 4 << 20
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, tp: int | Seq[int] = 1, instances: int | None = None,
                  devices=None, num_pages: int | None = None, page_size: int = 16, max_batch: int = 64,
@@ -83,7 +89,8 @@ class RolloutService:
         meshes = [Layout(tp=len(g)).make_mesh(g) for g in plan_layout(tp, instances, self.devices)]
         copies = self._local_copies(weights, meshes)
         for i, mesh in enumerate(meshes):
-            w, _ = self.place(weights if copies is None else copies[i], mesh)
+            w, _ = self.place(weights if copies is None else copies[i], mesh,
+                              whole_leaf_bytes=self.SYNC_WHOLE_LEAF_BYTES)
             self.instances.append(self.build_instance(i, mesh, w, max_batch=max_batch))
             self.instances[-1].external = migration.buffers(w) & given
         self._ids = itertools.count()
@@ -363,10 +370,11 @@ class RolloutService:
         for k, inst in enumerate(self.instances):
             w = src if copies is None else copies[k]
             if adapters:
-                new, r = reshard(w, lora.split(self.weight_shardings(inst.mesh))[0])
+                new, r = reshard(w, lora.split(self.weight_shardings(inst.mesh))[0],
+                                 whole_leaf_bytes=self.SYNC_WHOLE_LEAF_BYTES)
                 inst.weights = lora.join(new, lora.split(inst.weights)[1])
             else:
-                inst.weights, r = self.place(w, inst.mesh)
+                inst.weights, r = self.place(w, inst.mesh, whole_leaf_bytes=self.SYNC_WHOLE_LEAF_BYTES)
             inst.external = migration.buffers(inst.weights) & given
             reports.append(r)
         self.synced_bytes += sum(r.bytes_moved for r in reports)
