@@ -162,3 +162,14 @@ def test_two_process_train_run_agrees_on_every_switch(tmp_path):
     assert seen[0] == seen[1] and seen[0]
     assert all(r["actual"]["agreed"]["processes"] == 2 for rs in recs for r in rs)
     assert [(s, cur, tp) for s, _, cur, tp, sw in seen[0] if sw] == [(0, 1, 4), (1, 1, 4)]
+
+
+def test_committed_forcing_profile_is_current(tmp_path):
+    """tests/golden/pat_forcing_large.json (the profile `test_processes_equal_one[pat_kv_four]` names by path)
+    is `forcing_profile("large")` as saved today."""
+    import json
+
+    from tests.train_runs import PAT_PROFILE
+
+    forcing_profile("large").save(tmp_path / "now.json")
+    assert json.loads(PAT_PROFILE.read_text()) == json.loads((tmp_path / "now.json").read_text())

@@ -2,6 +2,7 @@
 token repartition, PPO's critic, the disaggregated pools, the all-mechanisms recipes; PPO's resume and its
 blockwise backward against the shared 1-process PPO run."""
 
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,9 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     each process freeing half of its own instances at its own milestones and streaming its own groups'
     gradients there; the early sums meet over processes at the update. stream_kv_two: with the blockwise
     backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's freed devices).
-    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments."""
+    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments. pat_kv_four:
+    PAT on 4 processes, every process switching its own pool at the same decode step on one agreed decision (the
+    4 decision records equal), with the blockwise backward on the rollout's K/V the switch migrated."""
     extra, procs = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
@@ -60,6 +63,14 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
         assert sum(r["stream/groups_early"] + r["stream/groups_late"] for r in m2) == 2 * 8
         for k in ("loss", "grad_norm", "kl"):
             np.testing.assert_allclose([r[k] for r in m2], [r[k] for r in m1], rtol=1e-5, atol=1e-7, err_msg=k)
+    if mode.startswith("pat"):      # one switch per step, decided alike by every process, at the same ticks
+        assert all(r["pat/switches"] == 1 and r["pat/max_tp"] == 2 for r in m1 + m2)
+        assert all(r["blockwise/blocks"] > 0 for r in m1 + m2)
+        recs = [[json.loads(line) for line in (many / name).read_text().splitlines()] for name in
+                ["pat_decisions.jsonl"] + [f"pat_decisions.process{k}.jsonl" for k in range(1, procs)]]
+        seen = [[(r["rl_step"], r["step"], r["current"], r["tp"], r["switch"]) for r in rs] for rs in recs]
+        assert seen[0] and all(x == seen[0] for x in seen)
+        assert all(r["actual"]["agreed"]["processes"] == procs for rs in recs for r in rs)
     if mode.startswith("ppo"):     # the critic (weights in the last checkpoint) and the reward's KL agree too
         assert m1[2]["critic/value_mean"] != 0.0 and m1[2]["reward_kl"] > 0 and m1[1]["critic/vf_loss"] > 0
         for k in ("critic/vf_loss", "critic/value_mean", "critic/returns_mean", "reward_kl"):
@@ -106,26 +117,27 @@ def test_ppo_with_the_blockwise_backward_matches_the_full_one(tmp_path, tmp_path
             np.testing.assert_allclose(row[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 @pytest.mark.processes
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_disaggregated_two_processes_equal_one(tmp_path, asynchronous):
+@pytest.mark.parametrize("asynchronous,procs", [(False, 2), (True, 4)], ids=["sync-2", "async-4"])
+def test_disaggregated_processes_equal_one(tmp_path, asynchronous, procs):
     """Each of 2 processes gives 2 devices to the shared fsdp=4 train mesh and 2 to its own generation
-    instances; the weights reach the instances by the cross-process on-device reshard. Same rollouts and,
-    within float tolerance, the same weights as one process with 4 + 4 devices (which streams its groups'
-    gradients during the rollout; two processes train after it). async: one-step-async on both, the next
-    rollout's agreements between the processes (key-value store) running while the update's device
-    collectives run on the train pool's thread."""
+    instances (each of 4 processes: 1 and 1); the weights reach the instances by the cross-process on-device
+    reshard. Same rollouts and, within float tolerance, the same weights as one process with 4 + 4 devices
+    (which streams its groups' gradients during the rollout; several processes train after it). async:
+    one-step-async on all, the next rollout's agreements between the processes (key-value store) running while
+    the update's device collectives run on the train pool's thread (2 processes: tests/test_lora_mechanisms.py's
+    disaggregated async run)."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated",
               f"trainer.async_steps={int(asynchronous)}"]
     _train(one, *common)
-    cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
-           *TINY, *common, "engine.instances=2"]
+    cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(procs), sys.executable, "-m", "jaxrl.train",
+           f"run_dir={two}", *TINY, *common, f"engine.instances={4 // procs}"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     m1, m2 = _metrics(one), _metrics(two)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
-    assert {r["placement/train_devices"] for r in m2} == {4} and {r["placement/gen_devices"] for r in m2} == {2}
+    assert {r["placement/train_devices"] for r in m2} == {4} and {r["placement/gen_devices"] for r in m2} == {4 // procs}
     if asynchronous:         # step 1 trained on a rollout of the weights one step behind
         assert [r["placement/staleness"] for r in m2] == [0, 1]
     for a, b in zip(_params(one), _params(two)):

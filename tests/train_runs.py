@@ -270,17 +270,27 @@ PPO = ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "ste
 STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo.kl_coef=0.05"]
 # GRPO: 4 processes on tail batching's rounds with DAPO dynamic sampling (the plain synchronous chain is the
 # same chain of nodes), repartitioned by tokens; PPO on 2 processes, also repartitioned. Each shares its
-# 1-process run. (Local packing without the repartition across processes: test_disaggregated_two_processes.)
+# 1-process run. (Local packing without the repartition across processes: test_disaggregated_processes_equal_one.)
 # The stream trainer: 2 processes and 4 (each frees its own instances, streams its own groups); with MetroRLHF's
 # blockwise backward on the rollout's K/V (each process's streamed blocks planned on its own).
 # Multi-turn at the tiny size: Echo answers every 3-token turn until max_turns (3) (a random policy would call no
 # tool, so the tools environment would end each trajectory at its first turn).
 ECHO_TURNS = ["rollout.env=jaxrl.envs._testing:Echo", "rollout.turns.turn_max_tokens=3", "rollout.max_new_tokens=32"]
+# PAT on 4 processes (each pool tp1x2 -> tp2x1 at the first check, one decision agreed by all; the 1-process pool
+# tp1x8 -> tp2x4) with MetroRLHF's blockwise backward on the rollout's K/V (each process stages its own
+# sequences' K/V, migrated by the switch), on the forcing profile (tests/pat_profiles.py; no device count, so
+# one file serves both pool sizes) and a dense reward (the tiny policy's 0/1 rewards are ~all 0).
+PAT_PROFILE = ROOT / "tests" / "golden" / "pat_forcing_large.json"
+PAT_KV = ["engine.tp=1", "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp.profile={PAT_PROFILE}",
+          "engine.adaptive_tp.candidates=[1, 2]", "engine.adaptive_tp.check_every=4", "engine.adaptive_tp.kv=migrate",
+          "rewards.fn=tests.dense_reward:score", "trainer.backward=blockwise", "trainer.block_size=48",
+          "trainer.kv_source=rollout"]
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2),
          "stream_two": (STREAM, 2), "stream_four": (STREAM, 4),
          "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"], 2),
-         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2)}
+         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2),
+         "pat_kv_four": (PAT_KV, 4)}
 COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
           "critic.optim.eps=1e-3"]
 _ONE_PROCESS_RUNS = {}
