@@ -91,19 +91,16 @@ def test_ppo_on_a_separate_train_pool(tmp_path):
     """PPO (critic, GAE, KL in the reward) with placement=disaggregated trains after the rollout on the train
     pool (GAE needs the whole batch: nothing streams): the colocated run's rollouts exactly and its policy and
     critic metrics and weights within float tolerance. One-step-async PPO (KL as a loss term) runs its critic
-    update before the policy's goes to the pool: staleness 0 then 1, the critic learning (values move). The
-    colocated run warms up (trainer.warmup=true): a PPO run's steps after the first compile nothing, the
-    critic's value pass and update included."""
+    update before the policy's goes to the pool: staleness 0 then 1, the critic learning (values move)."""
     col, dis, asy = tmp_path / "col", tmp_path / "dis", tmp_path / "asy"
     ppo = [*PPO, "save_every=null", *POOLS, "critic.optim.eps=1e-3"]
     no_kl = [x for x in ppo if not x.startswith("algo.kl_in_reward")] + ["algo.kl_in_reward=false"]
-    _train_together((col, *ppo, "trainer.warmup=true"), (dis, *ppo, "placement=disaggregated"),
+    _train_together((col, *ppo), (dis, *ppo, "placement=disaggregated"),
                     (asy, *no_kl, "placement=disaggregated", "trainer.async_steps=1"))
     m1, m2, m3 = _metrics(col), _metrics(dis), _metrics(asy)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
     assert all("placement/groups_streamed" not in r and r["placement/train_devices"] == 4 for r in m2)
-    assert [r["compiles"] for r in m1[1:]] == [0, 0]
     for key in ("loss", "grad_norm", "reward_kl", "critic/vf_loss", "critic/value_mean", "critic/explained_var"):
         np.testing.assert_allclose([r[key] for r in m2], [r[key] for r in m1], rtol=1e-5, atol=1e-6, err_msg=key)
     for a, b in zip(_params(col), _params(dis)):
