@@ -32,7 +32,7 @@ TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=
 PARAM_ATOL_F32 = 1e-5
 # XLA's default optimisation level, with the suite's LLVM fusion emitters (tests/conftest.py): the runs checked against
 # goldens recorded at the default level (their rollouts depend on float rounding), compiled in less time than with
-# XLA's default emitters (the four test_train_e2e.py runs at this level, empty cache: 217 -> 181 CPU-s); the
+# XLA's default emitters (the four test_train_e2e.py runs at this level, empty cache: 217 -> 190 CPU-s); the
 # rewards and rollouts stay exact and the losses within their tolerances. GOLDEN_OPT: XLA's defaults exactly,
 # for a golden that records the weights' bits (tests/golden/flow_default.json's params_sha256).
 DEFAULT_OPT = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}

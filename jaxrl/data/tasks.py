@@ -35,8 +35,8 @@ program on them in the sandbox ("code" reward: 1 when every case passes, else 0)
 48*39" -> "1872"), which a tiny model cannot compute in its head. Its demonstrations (`demonstration_turns`)
 show two strategies, each correct on its row: for a stable share of the prompts (`CALC_DIRECT_DEMOS`, half; by a
 hash of the prompt) the product written directly with no tool, for the others a calculator call in one turn and
-the tool's result as the answer in the next. Only the tool generalises to products the model has not memorised, and which strategy
-pays is what RL has to find out. The reward is 1 for the exact product, else 0 (a prefix score would pay for
+the tool's result as the answer in the next. Only the tool generalises to products the model has not
+memorised, and which strategy pays is what RL has to find out. The reward is 1 for the exact product, else 0 (a prefix score would pay for
 leading digits right by chance: noise that GRPO's normalisation amplifies).
 """
 

@@ -7,8 +7,8 @@ same from a shell, e.g. for a run still in progress:
     python scripts/plot_run.py RUN_DIR --out plot.png
 
 Two panels over the step: ``reward_mean`` (raw, thin) with its trailing moving average (and, for a
-multi-turn run, ``env/tool_calls_mean``'s and ``env/tool_success``'s), and ``response_len_mean`` / ``response_len_max``. When rows carry a ``"phase"`` (e.g. ``"sft"`` then
-``"rl"``) each phase's span is shaded and labelled on both panels. A metric that is absent or
+multi-turn run, ``env/tool_calls_mean``'s and ``env/tool_success``'s), and ``response_len_mean`` /
+``response_len_max``. When rows carry a ``"phase"`` (e.g. ``"sft"`` then ``"rl"``) each phase's span is shaded and labelled on both panels. A metric that is absent or
 ``null`` (non-finite) at some steps leaves a gap; a run of a few steps is drawn with markers.
 Lines that are not JSON (a half-written last line of a live or killed run) are skipped.
 """
