@@ -3,13 +3,11 @@ stage does lives in its own module (ARCHITECTURE.md, "Components"). Synchronous 
 (what verl does); StreamRL's disaggregated pools, dynamic-batch pipelining and one-step-async with
 `placement=disaggregated` (`pipeline.py`).
 
-    setup:   tokenizer -> prompts (`rollout_side.load_prompts`) -> reward pool (every reward name resolved,
-             here and in a worker) -> train mesh (fsdp x tp over all devices, or the train pool) and the
-             policy -> the update side (`context.UpdateContext`: loss, micro-batch shape, the update) ->
-             [critic] -> [stream trainer] -> rollout instances on this process's devices -> [train pool
-             thread, gradient stream, scale-up] -> the rollout side (`rollout_side.RolloutSide`: loader,
-             tail batching, skew placement, planner, PAT) -> the step's graph (`jaxrl.flow`) ->
-             checkpoints (resume if any: `run_state`) and metrics
+    setup:   tokenizer -> prompts -> reward pool (every reward name resolved) -> train mesh (all devices, or
+             the train pool) and the policy -> the update side (`context.UpdateContext`) -> [critic] ->
+             [stream trainer] -> rollout instances -> [train pool thread, gradient stream, scale-up] -> the
+             rollout side (`rollout_side.RolloutSide`: loader, tail batching, skew placement, planner, PAT)
+             -> the step's graph (`jaxrl.flow`) -> checkpoints (resume if any: `run_state`) and metrics
     warm-up: every executable the RL steps run (`warm_up.py`), so they compile nothing
     warm start (optional): supervised steps on the built-in tasks' demonstrations (skipped for other data)
     each RL step: the chain `algo.graph` plans, run on the components (`flow.TrainContext`; built-in
@@ -24,6 +22,7 @@ checkpoint 0 and the config.yaml it wrote are removed, so a retry with another c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import jax
 from tqdm import tqdm
 
 from jaxrl.config.train import WHOLE_BATCH_ADVANTAGES, TrainConfig
-from jaxrl.flow import Flow, GraphError, SampleBuffer, StepData, TrainContext
+from jaxrl.flow import Flow, SampleBuffer, StepData, TrainContext
 from jaxrl.rewards import RewardPool, RewardScheduler, check_rewards, reward_names
 from jaxrl.rollout import RolloutService
 from jaxrl.runtime import CompileCounter
@@ -80,6 +79,16 @@ def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
     return jax.devices(), jax.local_devices()
 
 
+@contextlib.contextmanager
+def _startup(pool: RewardPool, prefix: str = ""):
+    """A bad config or input found while building (GraphError too): the reward pool closed, one line."""
+    try:
+        yield
+    except ValueError as e:
+        pool.close()
+        raise StartupError(prefix + str(e)) from None
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, plan: ResumePlan | None = None, timeline=None):
         """`plan`: the start-up decision of `preflight.plan_resume` (made here when None). `timeline`
@@ -91,17 +100,11 @@ class Trainer:
         self.tokenizer = load_tokenizer(check_tokenizer(cfg))
         self.dataset = load_prompts(cfg, self.tokenizer)
         self.pool = RewardPool.from_config(cfg.rewards)
-        try:
+        with _startup(self.pool):
             check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry), self.pool)
-        except ValueError as e:
-            self.pool.close()
-            raise StartupError(str(e)) from None
         rewards = RewardScheduler.from_config(cfg.rewards, self.pool)   # cancellation; code: sandbox, timeouts
-        try:                 # multi-turn (rollout.env): environments stepped in the same worker pool
+        with _startup(self.pool, "rollout.env: "):   # multi-turn: environments stepped in the same worker pool
             turns = MultiTurn.from_config(cfg, self.tokenizer, self.pool, self.dataset)
-        except ValueError as e:
-            self.pool.close()
-            raise StartupError(f"rollout.env: {e}") from None
         layout = cfg.train_layout.build()
         train_devices, gen_devices = _devices(cfg, layout)
         mesh = layout.make_mesh(train_devices)
@@ -124,7 +127,7 @@ class Trainer:
         svc = RolloutService.from_config(cfg.engine, model_cfg, params, devices=gen_devices,
                                          order="lpt" if sk.enabled and sk.lpt else "fcfs")
         if timeline is not None:        # each engine step is a busy span of the generation pool
-            svc.observers.append(lambda a, b: timeline.add("gen", "decode", a, b))
+            svc.observers.append(lambda a_, b: timeline.add("gen", "decode", a_, b))
         worker = gstream = self.balance = None
         if cfg.placement == "disaggregated":     # the train pool's thread; streamed gradients (one process)
             worker = TrainWorker(timeline)
@@ -136,11 +139,8 @@ class Trainer:
         rs = RolloutSide(cfg, self.tokenizer, self.dataset, svc, policy, rewards,
                          rl.RewardFailureGuard(cfg.rewards.max_failed_steps), stream=stream, gstream=gstream,
                          run_dir=self.run_dir, turns=turns)
-        try:        # DistFlow: the step's graph, planned and bound to its functions before any work
+        with _startup(self.pool):     # DistFlow: the step's graph, planned and bound to its functions before any work
             self.flow = Flow.build(cfg, streamed_update=bool(stream or gstream))
-        except GraphError as err:
-            self.pool.close()
-            raise StartupError(str(err)) from None
         databuffer = SampleBuffer(mesh, uc.pack_len) if t.repartition == "tokens" else None
         self.train = TrainContext(cfg, self.tokenizer, uc, rs, rewards, rs.reward_guard, critic, databuffer, worker,
                                   stream, gstream, log)
@@ -148,12 +148,9 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
         self.resumed = self._resume()
-        if not self.resumed:
-            try:
-                rs.warm_start_ranker()        # StreamRL's length ranker from rollout.skew.ranker.pairs
-            except ValueError as e:           # a bad row: file and line in one line
-                self.pool.close()
-                raise StartupError(f"rollout.skew.ranker.pairs: {e}") from None
+        if not self.resumed:      # StreamRL's length ranker from rollout.skew.ranker.pairs (a bad row: file, line)
+            with _startup(self.pool, "rollout.skew.ranker.pairs: "):
+                rs.warm_start_ranker()
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
         self.profiler = Profiler(self.run_dir, cfg.profile_steps)
@@ -298,8 +295,6 @@ class Trainer:
         return history
 
     def close(self):
-        self.profiler.close()
-        self.pool.close()
-        self.metrics.close()
-        if self.train.worker is not None:
-            self.train.worker.close()
+        for part in (self.profiler, self.pool, self.metrics, self.train.worker):
+            if part is not None:
+                part.close()
