@@ -113,3 +113,85 @@ def test_bad_arguments_fail_loudly_with_shapes():
         token_loss_sum(hidden, w, targets, aux, fn, valid_vocab=51)
     with pytest.raises(ValueError, match="temperature"):
         token_loss_sum(hidden, w, targets, aux, fn, temperature=0.0)
+
+
+def _masked_case(R, L, V, seed, fill):
+    """`make_case` with a loss mask whose rows hold loss positions on a `fill` share of their first positions
+    (a packed micro-batch: prompts, responses, padding at the end; one row without any)."""
+    hidden, w, targets, aux = make_case(R, L, V, seed)
+    rng = np.random.default_rng(seed + 1)
+    mask = (rng.random((R, L)) < 0.6) & (np.arange(L)[None, :] < np.round(fill * L * rng.random((R, 1))))
+    mask[-1] = False
+    aux["mask"] = jnp.asarray(mask, jnp.float32)
+    return hidden, w, targets, aux
+
+
+# (rows, positions, vocab, chunk tokens, fill): several chunks over rows filled to a share of their length
+MASKED = [(4, 37, 200, 16, 0.5), (3, 64, 130, 24, 0.9), (2, 50, 90, 6, 0.2), (6, 9, 70, 12, 1.0)]
+
+
+@pytest.mark.parametrize("R,L,V,chunk,fill", MASKED)
+def test_loss_positions_only_equal_every_position(R, L, V, chunk, fill):
+    """`mask`: the projection runs over each row's loss positions only (moved to the front, the chunk loop
+    stopped after the longest row's last one). Against the same kernel over every position: the loss, both
+    gradients, and logp/ent on the loss positions (0 elsewhere), within float32 rounding (the chunks sum
+    other tokens together)."""
+    hidden, w, targets, aux = _masked_case(R, L, V, seed=R * L, fill=fill)
+    fn = functools.partial(per_token, ent_coef=0.01)
+
+    def run(mask):
+        def loss(h, w_):
+            value, logp, ent = token_loss_sum(h, w_, targets, aux, fn, chunk_tokens=chunk, temperature=0.9, mask=mask)
+            return value, (logp, ent)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(hidden, w)
+
+    (value, (logp, ent)), grads = run(aux["mask"])
+    (ref_value, (ref_logp, ref_ent)), ref_grads = run(None)
+    keep = np.asarray(aux["mask"]) > 0
+    assert_close(value, ref_value, scale=float(np.sum(np.abs(np.asarray(ref_logp)))))
+    assert_close(logp, np.where(keep, ref_logp, 0.0))
+    assert_close(ent, np.where(keep, ref_ent, 0.0))
+    for g, rg in zip(grads, ref_grads):
+        assert_close(g, rg)
+    assert np.abs(np.asarray(grads[0])).max() > 0
+    assert np.all(np.asarray(grads[0])[~keep] == 0)        # no gradient into positions without loss
+
+
+def test_chunks_past_the_last_loss_position_are_not_computed():
+    """NaN hidden states after every row's last loss position (and its chunk): with `mask` they never reach the
+    projection (finite loss and gradients); over every position they do."""
+    hidden, w, targets, aux = make_case(3, 40, 60)
+    mask = np.zeros((3, 40), np.float32)
+    mask[:, 2:7] = 1.0
+    aux["mask"] = jnp.asarray(mask)
+    hidden = hidden.at[:, 20:].set(jnp.nan)          # chunks of 8 positions (24 tokens / 3 rows): 0-7 holds them all
+    fn = functools.partial(per_token, ent_coef=0.0)
+    loss = lambda h, m: token_loss_sum(h, w, targets, aux, fn, chunk_tokens=24, mask=m)[0]  # noqa: E731
+    value, g = jax.value_and_grad(loss)(hidden, aux["mask"])
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(g)))
+    assert np.isnan(float(loss(hidden, None)))
+    empty = jnp.zeros_like(aux["mask"])               # no loss position at all: no chunk runs
+    value, g = jax.value_and_grad(loss)(hidden, empty)
+    assert float(value) == 0.0 and np.all(np.asarray(g) == 0)
+
+
+def test_loss_positions_on_a_sharded_mesh_equal_one_device():
+    """Rows over fsdp=4 (the train layout's data split) and the projection's vocabulary over tp=2: the compaction
+    is per row, so each device moves its own rows' positions; the loss and gradients equal one device's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    hidden, w, targets, aux = _masked_case(8, 48, 96, seed=3, fill=0.7)
+    fn = functools.partial(per_token, ent_coef=0.01)
+
+    def loss(h, w_, t, a):
+        return token_loss_sum(h, w_, t, a, fn, chunk_tokens=64, mask=a["mask"])[0]
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    want, want_g = step(hidden, w, targets, aux)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
+    rows = NamedSharding(mesh, P("fsdp", None))
+    put = lambda x: jax.device_put(x, rows)  # noqa: E731
+    got, got_g = step(jax.device_put(hidden, NamedSharding(mesh, P("fsdp", None, None))),
+                      jax.device_put(w, NamedSharding(mesh, P(None, "tp"))), put(targets), jax.tree.map(put, aux))
+    assert_close(got, want, scale=float(np.sum(np.abs(np.asarray(aux["mask"])))))
+    for g, rg in zip(got_g, want_g):
+        assert_close(g, rg)

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import algos
+from kernels import logprob_loss
 from jaxrl.config.train import AlgoSection, OptimSection, TrainConfig
 from jaxrl.train.batch import Sample, pack
 from jaxrl.train.optim import make_optimizer
@@ -352,13 +353,19 @@ def test_loss_spec_passes_forward_options(params):
         LossSpec(kl_estimator="k9")
 
 
+@pytest.mark.parametrize("chunks", ["one", "several"])
 @pytest.mark.parametrize("kind", ["rl", "sft"])
-def test_fused_loss_equals_chunked_logprobs_autodiff_on_a_sharded_mesh(params, kind):
+def test_fused_loss_equals_chunked_logprobs_autodiff_on_a_sharded_mesh(params, kind, chunks, monkeypatch):
     """The default loss (gradient formed with each token chunk's logits, `kernels.logprob_loss`) against its
     unoptimised twin (`token_logprobs` + autodiff, which recomputes the logits in the backward): the same
     gradient sums and stats within float32 rounding, on an FSDP x TP train mesh (rows and vocabulary
-    sharded), with the clip, dual clip, KL and entropy terms live."""
+    sharded), with the clip, dual clip, KL and entropy terms live. "several": 16-token chunks, as a large
+    vocabulary makes them, so only the loss positions go through the projection (prompts and padding left
+    out, the chunk loop stopped after the longest row's last response token)."""
+    if chunks == "several":
+        monkeypatch.setattr(logprob_loss, "TILE_BYTES", 4 * CFG.vocab_size * 16)
     batch, _ = _rl_batch(params)
+    assert chunks == "one" or float(jnp.mean(batch["loss_mask"])) < 0.7      # positions to leave out
     spec = RL_SPEC if kind == "rl" else LossSpec(kind="sft", kl_coef=0.1, entropy_coef=0.01)
     layout = Layout(fsdp=4, tp=2)
     mesh = layout.make_mesh(jax.devices())

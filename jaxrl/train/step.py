@@ -159,14 +159,16 @@ def hidden_loss(params, cfg: ModelConfig, spec: LossSpec, h, mb):
 
     `spec.fused_loss`: the sum and its gradient come from `kernels.logprob_loss.token_loss_sum` (each
     token chunk's full-vocabulary softmax, loss derivatives and projection gradients in one pass: 6·E·V·T
-    lm_head FLOPs); otherwise log-probs come from `token_logprobs` and autodiff differentiates the sum
+    lm_head FLOPs, T the loss positions only, prompts and padding left out when there are several chunks);
+    otherwise log-probs come from `token_logprobs` and autodiff differentiates the sum
     (8·E·V·T: its backward recomputes the logits). The two agree within float32 rounding
     (tests/test_train_step.py). The stats are computed from the same log-probs either way."""
     if spec.fused_loss:
         aux = _loss_aux(mb, spec)
         loss, logp, ent = token_loss_sum(h, lm_head(params), mb["targets"], aux,
                                          functools.partial(_weighted_token_loss, spec=spec),
-                                         temperature=spec.temperature, valid_vocab=cfg.vocab_size)
+                                         temperature=spec.temperature, valid_vocab=cfg.vocab_size,
+                                         mask=aux["loss_mask"])
         mask = aux["loss_mask"]
         _, parts = token_loss(logp, ent, mb, spec)
     else:
