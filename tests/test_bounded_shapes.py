@@ -159,3 +159,23 @@ def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
         np.testing.assert_allclose(float(m["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(float(m["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
+
+
+def test_step_shapes_only_up_to_the_requests_a_rollout_holds():
+    """engine.max_batch is capped by the most requests one rollout holds on a process (prompts x samples; tail
+    batching's speculative launch), so the decode/prefill shapes above it are never compiled."""
+    from jaxrl.config import load_config
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.train.rollout_side import requests_in_flight
+
+    cfg = load_config(TrainConfig, ["algo.prompts_per_step=4", "algo.group_size=8", "engine.max_batch=256"])
+    assert requests_in_flight(cfg, 1) == 32 and requests_in_flight(cfg, 2) == 16
+    tail = load_config(TrainConfig, ["algo.prompts_per_step=8", "algo.group_size=4", "rollout.tail_batching.enabled=true",
+                                     "rollout.tail_batching.eta_prompts=1.5"])
+    assert requests_in_flight(tail, 1) == 12 * 5 and requests_in_flight(tail, 2) == 6 * 5
+    svc = RolloutService.from_config(cfg.engine, CFG, init(jax.random.key(0), CFG), max_requests=32)
+    sh = svc.instances[0].shapes
+    assert svc.instances[0].max_batch == 32 and max(sh.batch) == 32 and max(sh.prefill_rows) <= 32
+    full = ShapeBuckets.build(max_batch=256, max_seq_len=cfg.engine.max_seq_len, page_size=cfg.engine.page_size,
+                              per_octave=cfg.engine.batch_buckets_per_octave, page_buckets=cfg.engine.page_buckets)
+    assert len(sh.decode_shapes()) < len(full.decode_shapes())

@@ -105,13 +105,15 @@ class RolloutService:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, section, model_cfg: ModelConfig, weights: Weights, *, devices=None,
-                    order: str = "fcfs") -> RolloutService:
+                    order: str = "fcfs", max_requests: int | None = None) -> RolloutService:
         """The service a `jaxrl.config.generate.EngineSection` describes, holding `weights` (`order`: admission,
-        "lpt" for StreamRL's longest-predicted-first), with its PAT driver (`AdaptiveTP.from_config`)."""
+        "lpt" for StreamRL's longest-predicted-first), with its PAT driver (`AdaptiveTP.from_config`).
+        `max_requests`: the most requests a rollout ever holds at once (the trainer's); max_batch is capped by
+        it, so no instance compiles step shapes it can never run."""
         svc = cls(model_cfg, weights, tp=section.tp, instances=section.instances, devices=devices,
                   page_size=section.page_size, num_pages=section.num_pages,
-                  kv_bytes_per_device=section.kv_bytes_per_device,
-                  kv_memory_fraction=section.kv_memory_fraction, max_batch=section.max_batch,
+                  kv_bytes_per_device=section.kv_bytes_per_device, kv_memory_fraction=section.kv_memory_fraction,
+                  max_batch=min(section.max_batch, max_requests or section.max_batch),
                   max_seq_len=section.max_seq_len, prefix_sharing=section.prefix_sharing,
                   attention_impl=section.attention_impl, prefill_chunk=section.prefill_chunk,
                   prefill_tokens=section.prefill_tokens, overlap=section.overlap,

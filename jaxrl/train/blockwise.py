@@ -339,7 +339,7 @@ class BlockwiseUpdater(Updater):
             gk, gv, acc = out
         return acc
 
-    def warm(self, params, opt_state, mb: dict, logp_params=(), kv=None) -> int:
+    def warm(self, params, opt_state, mb: dict, logp_params=(), kv=None, own_logp: bool = True) -> int:
         """Compile every executable `update`/`logprobs` runs on micro-batches shaped like `mb` (arrays or
         ShapeDtypeStructs with shardings), following output shardings to a fixed point; nothing runs.
         `kv`: abstract (K, V) of the rollout's cache (kv_source="rollout"). Returns new compilations."""
@@ -349,7 +349,8 @@ class BlockwiseUpdater(Updater):
         for extra in logp_params:
             self.cache.compile("logp", self.logp, _abstract(extra), logp_mb)
         for _ in range(3):
-            self.cache.compile("logp", self.logp, p, logp_mb)
+            if own_logp:
+                self.cache.compile("logp", self.logp, p, logp_mb)
             acc = self.warm_accumulate(p, mb, kv)
             new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc[0], 1.0, acc[1]))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):

@@ -38,7 +38,7 @@ from jaxrl.rewards import RewardScheduler
 from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.rollout.memory import DEFAULT_MEMORY_FRACTION, device_memory, holds_request
 from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layout, total_preemptions
-from jaxrl.rollout.tail_batching import TailBatcher
+from jaxrl.rollout.tail_batching import TailBatcher, launch_counts
 
 from . import rl
 from .batch import Sample, trained_mask
@@ -53,6 +53,20 @@ from .stream import StreamTrainer
 from .trajectories import MultiTurn, env_metrics
 
 log = logging.getLogger("jaxrl.train")
+
+
+def requests_in_flight(cfg: TrainConfig, process_count: int) -> int:
+    """The most requests one rollout holds at once on one process: its share of the step's prompts x samples;
+    a tail-batching short round launches ⌈η_p·P⌉ x ⌈η_r·G⌉ (`launch_counts`; a long round and dynamic
+    sampling's refill waves, which run one after another, launch no more). No instance ever runs more, so
+    step shapes above it are never reached: the engine's max_batch is capped by it (fewer executables to
+    compile at start, a smaller KV pool where it is sized from max_batch)."""
+    a, tb = cfg.algo, cfg.rollout.tail_batching
+    if tb.enabled:
+        prompts, responses = launch_counts(a.prompts_per_step, a.group_size, tb.eta_prompts, tb.eta_responses,
+                                           process_count)
+        return prompts * responses
+    return -(-a.prompts_per_step // process_count) * a.group_size
 
 
 def load_prompts(cfg: TrainConfig, tokenizer) -> PromptDataset:

@@ -64,7 +64,7 @@ from .distributed import global_sum
 from .grad_stream import ROWS, GradientStream, warm_sum
 from .rollout_kv import export_pages
 from .shrink import ShrinkPlan, freed_instances, milestone_due, shrink_plan, take_shrink
-from .update import Updater
+from .update import Updater, needs_policy_logprobs
 
 
 # ----------------------------------------------------------------------------- the component
@@ -235,7 +235,8 @@ class StreamTrainer:
         in the updater's cache (the others are counted by `runtime.CompileCounter`)."""
         before = self.updater.cache.compiles
         mb = self.gs.abstract_mb(self.train_rows)
-        self.updater.warm(params, opt_state, mb, logp_params=[ref_params] if self.spec.kl_coef else [])
+        self.updater.warm(params, opt_state, mb, logp_params=[ref_params] if self.spec.kl_coef else [],
+                          own_logp=needs_policy_logprobs(self.cfg))
         source = params
         if devices is None and svc is not None:
             freed = freed_instances(svc.layout)

@@ -51,7 +51,7 @@ from .metrics import MetricsLogger, Profiler
 from .optim import init_state, make_optimizer
 from .pipeline import TrainWorker, check_staleness, split_devices
 from .preflight import ResumePlan, StartupError, check_tokenizer, discard_unstarted, plan_resume, write_config
-from .rollout_side import RolloutSide, load_prompts
+from .rollout_side import RolloutSide, load_prompts, requests_in_flight
 from .step_metrics import placement_metrics, step_metrics, tail_metrics
 from .stream import StreamTrainer
 from .trajectories import MultiTurn
@@ -123,9 +123,9 @@ class Trainer:
             stream = StreamTrainer(cfg, t.stream, model_cfg, uc.spec, uc.updater, mesh, pack_len=uc.pack_len,
                                    mb_rows=uc.mb_rows, stager=uc.stager)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
-        sk = cfg.rollout.skew
         svc = RolloutService.from_config(cfg.engine, model_cfg, params, devices=gen_devices,
-                                         order="lpt" if sk.enabled and sk.lpt else "fcfs")
+                                         order="lpt" if cfg.rollout.skew.enabled and cfg.rollout.skew.lpt else "fcfs",
+                                         max_requests=requests_in_flight(cfg, jax.process_count()))
         if timeline is not None:        # each engine step is a busy span of the generation pool
             svc.observers.append(lambda a_, b: timeline.add("gen", "decode", a_, b))
         worker = gstream = self.balance = None

@@ -37,6 +37,13 @@ def _out_abstract(exe):
                         exe.out_info, exe.output_shardings)
 
 
+def needs_policy_logprobs(cfg) -> bool:
+    """Whether a step runs the log-prob pass on the policy's own weights: the old log-probs of several
+    mini-batches, or the reward's KL (algo.kl_in_reward). On-policy with one update it never does (the ratio
+    is 1: `step.token_loss`), so its executable is not compiled."""
+    return cfg.algo.mini_batches > 1 or cfg.algo.kl_in_reward
+
+
 class Updater:
     """grad / apply / log-prob executables for one model, loss and optimizer, over fixed micro-batches."""
 
@@ -81,17 +88,19 @@ class Updater:
         """The update's own per-step metrics since `reset_counts` (the blockwise backward's blocks)."""
         return {}
 
-    def warm(self, params, opt_state, mb: dict, logp_params=()) -> int:
+    def warm(self, params, opt_state, mb: dict, logp_params=(), own_logp: bool = True) -> int:
         """Compile every executable `update`/`logprobs` will run on micro-batches shaped like `mb` (arrays or
         ShapeDtypeStructs with shardings), following output shardings until the inputs repeat, and the
-        log-prob pass for each of `logp_params` too. Nothing runs and nothing is donated. Returns the number
-        of new compilations."""
+        log-prob pass for each of `logp_params` too. `own_logp`: the log-prob pass on the policy's weights
+        too (`needs_policy_logprobs`). Nothing runs and nothing is donated. Returns the number of new
+        compilations."""
         before = self.cache.compiles
         p, o, mb = _abstract(params), _abstract(opt_state), _abstract(mb)
         for extra in logp_params:          # e.g. the reference policy's weights
             self.cache.compile("logp", self.logp, _abstract(extra), {k: mb[k] for k in FIELDS})
         for _ in range(3):
-            self.cache.compile("logp", self.logp, p, {k: mb[k] for k in FIELDS})
+            if own_logp:
+                self.cache.compile("logp", self.logp, p, {k: mb[k] for k in FIELDS})
             acc2 = self.warm_accumulate(p, mb)
             new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc2[0], 1.0, acc2[1]))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):

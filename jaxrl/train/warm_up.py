@@ -23,6 +23,7 @@ from .critic import Critic
 from .grad_stream import warm_sum
 from .rollout_kv import export_pages
 from .rollout_side import RolloutSide
+from .update import needs_policy_logprobs
 
 
 def micro_batch_abstract(uc: UpdateContext) -> dict:
@@ -47,7 +48,7 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
             row_len = uc.updater.padded_len(uc.pack_len)
             uc.stager.warm(*export_pages(cfg), uc.mb_rows, row_len)
             extra["kv"] = uc.stager.abstract(uc.mb_rows, row_len)
-        n += uc.updater.warm(pol.params, pol.opt_state, mb,
+        n += uc.updater.warm(pol.params, pol.opt_state, mb, own_logp=needs_policy_logprobs(cfg),
                              logp_params=[pol.ref_params] if pol.ref_params is not None else [], **extra)
         if critic is not None:      # PPO: the value pass and the critic's update
             n += critic.warm(mb)

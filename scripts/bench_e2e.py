@@ -1,0 +1,198 @@
+"""End to end against TRL: the same GRPO run through TRL's `GRPOTrainer` and `python -m jaxrl.train`, one after
+the other on this machine, each as a user runs it (a fresh process, figures from its own logs).
+
+    python scripts/bench_e2e.py                          # -> scripts/results/bench_e2e.json (~25 min)
+    python scripts/bench_e2e.py --quick --out /tmp/e.json   # tiny model, 1 step each (the smoke test)
+
+**What both run** (`bench_e2e_workload.build`): one HF directory (Qwen3 weights whose next token is
+end-of-sequence with probability 1/66, so responses are long-tailed, capped at `max_new`), the same prompts
+(24 words, no chat template) and the same reward (a text function), 7 GRPO steps of 4 prompts x 8 samples,
+sampling at temperature 1 (no top-k/top-p), stop at EOS, one on-policy update per batch: token-mean loss,
+clip 0.2 / 0.28, no KL, AdamW at a constant lr (small: these weights' lengths drift under larger steps,
+and a drifting length would make the two runs' work differ), gradient clip 1.0, float32.
+
+- TRL 1.16 (`scripts/bench_e2e_trl.py`): `transformers.generate` for rollouts, torch on `--threads` threads.
+- jaxrl: `python -m jaxrl.train model.hf_path=DIR data.source=prompts.jsonl rewards.fn=... ` on the
+  quickstart's defaults otherwise (`JAXRL_ARGS`); its step, rollout and train seconds come from its
+  metrics.jsonl. Cold: an empty compilation cache (a user's first run); warm: the same command again.
+
+Order, per workload: jaxrl cold, TRL, jaxrl warm, TRL (interleaved, the machine idle otherwise). Reported per
+system: median step seconds over every measured step (step 0 included; jaxrl compiles nothing in a step),
+its rollout/train split, the whole process's seconds (start to exit), and the fraction of the machine's
+float32 peak (a 2048³ matmul measured at the start) the steps reach:
+
+    FLOPs of a step (counted as computed; the same work for both, from the step's own lengths):
+      rollout: prefill 2·N·p + causal attention per prompt, decode 2·(N + E·V) + 4·layers·heads·d·context
+               per generated token
+      train:   3 x the forward of every prompt and response token (2·N per token, causal attention
+               per sequence) + the LM head on response tokens only (6·E·V each)
+
+N: the decoder layers' matmul weights; p: prompt tokens; attention from the step's mean response length
+(the sum over sequences of (p + r)² is estimated from the mean r: an underestimate by the length variance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+import bench_e2e_workload as workload  # noqa: E402
+
+from jaxrl.train.summary import machine  # noqa: E402
+
+DEFAULT_OUT = HERE / "results" / "bench_e2e.json"
+OUTPUTS = ("bench_e2e.json",)
+HYPER = dict(steps=7, prompts_per_step=4, group=8, lr=1e-7, temperature=1.0, clip_low=0.2, clip_high=0.28, seed=0)
+WORKLOADS = {"3.2m": dict(max_new=512), "58m": dict(max_new=128)}
+QUICK = {"tiny": dict(max_new=16)}
+
+
+def jaxrl_args(paths: dict, run_dir: Path, max_new: int, h: dict) -> list[str]:
+    """The overrides a user gives `python -m jaxrl.train` for this workload (the quickstart's defaults else)."""
+    module, fn = paths["reward"].rsplit(":", 1)
+    return [f"run_dir={run_dir}", f"model.hf_path={paths['model']}", f"data.source={paths['prompts']}",
+            "data.chat=false", f"data.max_prompt_len={workload.PROMPT_LEN + 8}", f"rewards.fn={Path(module).stem}:{fn}",
+            f"algo.group_size={h['group']}", f"algo.prompts_per_step={h['prompts_per_step']}",
+            f"algo.clip_low={h['clip_low']}", f"algo.clip_high={h['clip_high']}", "algo.agg=token-mean",
+            "algo.kl_coef=0.0", f"rollout.max_new_tokens={max_new}", f"rollout.temperature={h['temperature']}",
+            f"engine.max_seq_len={workload.PROMPT_LEN + 8 + max_new}", "warm_start.steps=0", f"optim.lr={h['lr']}",
+            "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.clip_norm=1.0", f"steps={h['steps']}",
+            f"seed={h['seed']}", "save_every=null", "export_hf=false"]
+
+
+def run_jaxrl(paths: dict, work: Path, max_new: int, h: dict, cache: Path, threads: int) -> dict:
+    run_dir = Path(tempfile.mkdtemp(dir=work, prefix="jaxrl-"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(paths["reward"].rsplit(":", 1)[0]).parent), str(ROOT)]),
+               JAXRL_COMPILATION_CACHE_DIR=str(cache))
+    cmd = [sys.executable, "-m", "jaxrl.train", *jaxrl_args(paths, run_dir, max_new, h)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    process_s = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"jaxrl run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [dict(step=r["step"], step_s=r["step_seconds"], generate_s=r["rollout_s"], train_s=r["train_s"],
+                  completion_len_mean=r["response_len_mean"], completion_len_max=r["response_len_max"],
+                  reward_mean=r["reward_mean"], compiles=r["compiles"]) for r in rows]
+    warm = next((line for line in p.stdout.splitlines() if "warm-up:" in line), "")
+    return dict(steps=steps, process_s=process_s, warm_up=warm.split("] ", 1)[-1], command=" ".join(cmd[1:]))
+
+
+def run_trl(paths: dict, work: Path, max_new: int, h: dict, threads: int) -> dict:
+    out = Path(tempfile.mkdtemp(dir=work, prefix="trl-")) / "trl.json"
+    cmd = [sys.executable, str(HERE / "bench_e2e_trl.py"), "--model", str(paths["model"]), "--prompts",
+           str(paths["prompts"]), "--reward", paths["reward"], "--out", str(out), "--steps", str(h["steps"]),
+           "--prompts-per-step", str(h["prompts_per_step"]), "--group", str(h["group"]), "--max-new", str(max_new),
+           "--lr", str(h["lr"]), "--temperature", str(h["temperature"]), "--seed", str(h["seed"]),
+           "--clip-low", str(h["clip_low"]), "--clip-high", str(h["clip_high"]), "--threads", str(threads)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+    process_s = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"TRL run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    res = json.loads(out.read_text())
+    return dict(res, process_s=process_s, own_process_s=res.get("process_s"))
+
+
+def step_flops(cfg, n: int, prompt: int, response_mean: float) -> dict:
+    """FLOPs of one step's rollout and train phases (module docstring), n sequences of `prompt` + mean
+    `response_mean` tokens."""
+    E, V, d, L = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_layers
+    layer = E * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * E * cfg.intermediate_size
+    N = L * layer
+    att = 4 * L * cfg.num_heads * d                      # per (query, key) pair
+    p, r = prompt, response_mean
+    prefill = n * (2 * N * p + att * p * (p + 1) / 2 + 2 * E * V)
+    decode = n * r * (2 * N + 2 * E * V) + n * att * (p * r + r * (r + 1) / 2)
+    s = p + r
+    train = 3 * n * (2 * N * s + att * s * (s + 1) / 2) + 6 * E * V * n * r
+    return dict(rollout=prefill + decode, train=train, total=prefill + decode + train)
+
+
+def peak_gflops() -> dict:
+    """This machine's float32 matmul rate now (scripts/bench_peak.py's square 2048³ dot, best of 3)."""
+    import bench_peak
+
+    g = dict(name="square 2048", model=None, op="square", phase="reference", m=2048, k=2048, n=2048)
+    return bench_peak.gemm(g, "float32", "native", min_seconds=1.0, repeats=3)
+
+
+def summarise(system: str, runs: list[dict], cfg, h: dict) -> dict:
+    steps = [s for r in runs for s in r["steps"]]
+    n = h["prompts_per_step"] * h["group"]
+    flops = [step_flops(cfg, n, workload.PROMPT_LEN, s["completion_len_mean"]) for s in steps]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    out = dict(step_s=med([s["step_s"] for s in steps]), generate_s=med([s["generate_s"] for s in steps]),
+               train_s=med([s["train_s"] for s in steps]),
+               completion_len_mean=statistics.fmean(s["completion_len_mean"] for s in steps),
+               step_gflop=med([f["total"] for f in flops]) / 1e9,
+               achieved_gflops=med([f["total"] / s["step_s"] for f, s in zip(flops, steps)]) / 1e9,
+               process_s=[r["process_s"] for r in runs])
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny model, 1 step, one run each (smoke test)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--workloads", nargs="*", help="names of WORKLOADS to run (default all)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory (default a temporary one)")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="jaxrl's compilation cache (default: an empty one per workload, so the first run is cold)")
+    args = ap.parse_args(argv)
+    h = dict(HYPER, steps=1, prompts_per_step=2, group=2) if args.quick else HYPER
+    chosen = QUICK if args.quick else {k: WORKLOADS[k] for k in (args.workloads or WORKLOADS)}
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result = dict(machine=machine(), hyper=h,
+                  loadavg_before=list(os.getloadavg()), peak=None if args.quick else peak_gflops(), workloads={})
+    for name, w in chosen.items():
+        paths = workload.build(work / name, name)
+        cfg = workload.MODELS[name]
+        cache = args.cache or work / f"xla-cache-{name}"
+        runs = {"jaxrl_cold": [], "jaxrl_warm": [], "trl": []}
+        order = ["jaxrl_cold", "trl"] if args.quick else ["jaxrl_cold", "trl", "jaxrl_warm", "trl"]
+        for which in order:
+            print(f"[bench_e2e] {name}: {which} ...", flush=True)
+            if which == "trl":
+                runs[which].append(run_trl(paths, work, w["max_new"], h, args.threads))
+            else:
+                runs[which].append(run_jaxrl(paths, work, w["max_new"], h, cache, args.threads))
+            r = runs[which][-1]
+            print(f"[bench_e2e] {name}: {which}: process {r['process_s']:.1f} s, steps "
+                  + " ".join(f"{s['step_s']:.2f}" for s in r["steps"]), flush=True)
+        jax_runs = runs["jaxrl_cold"] + runs["jaxrl_warm"]
+        entry = dict(max_new=w["max_new"], sequences=h["prompts_per_step"] * h["group"], runs=runs,
+                     jaxrl=summarise("jaxrl", jax_runs, cfg, h), trl=summarise("trl", runs["trl"], cfg, h))
+        entry["step_ratio"] = entry["jaxrl"]["step_s"] / entry["trl"]["step_s"]
+        trl_proc = statistics.median(entry["trl"]["process_s"])
+        entry["process_ratio_cold"] = runs["jaxrl_cold"][0]["process_s"] / trl_proc
+        if runs["jaxrl_warm"]:
+            entry["process_ratio_warm"] = runs["jaxrl_warm"][0]["process_s"] / trl_proc
+        if result["peak"]:
+            for side in ("jaxrl", "trl"):
+                entry[side]["peak_fraction"] = entry[side]["achieved_gflops"] / result["peak"]["gflops"]
+        result["workloads"][name] = entry
+        print(f"[bench_e2e] {name}: step jaxrl {entry['jaxrl']['step_s']:.2f} s / TRL {entry['trl']['step_s']:.2f} s "
+              f"= {entry['step_ratio']:.2f}; process cold {entry['process_ratio_cold']:.2f}", flush=True)
+    result["loadavg_after"] = list(os.getloadavg())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"[bench_e2e] wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
