@@ -156,7 +156,8 @@ def main(argv=None) -> dict:
     chosen = QUICK if args.quick else {k: WORKLOADS[k] for k in (args.workloads or WORKLOADS)}
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_e2e-"))
     work.mkdir(parents=True, exist_ok=True)
-    result = dict(machine=machine(), hyper=h,
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = dict(machine=machine(), commit=commit or None, hyper=h,
                   loadavg_before=list(os.getloadavg()), peak=None if args.quick else peak_gflops(), workloads={})
     for name, w in chosen.items():
         paths = workload.build(work / name, name)

@@ -517,6 +517,7 @@ _load_module("docs_lora", ROOT / "scripts" / "docs_lora.py").register(renders, l
 _load_module("docs_suite", ROOT / "scripts" / "docs_suite.py").register(renders, load, table, footer, machine)
 _load_module("docs_multiturn", ROOT / "scripts" / "docs_multiturn.py").register(renders, load, table, footer, spaced,
                                                                              lambda: RESULTS)
+_load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, load, table, footer, lambda: RESULTS)
 
 # ------------------------------------------------------------------------------------------------ pages
 

@@ -15,7 +15,9 @@ runs each step once on dummy inputs whose every row is padding, so it writes onl
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 
@@ -189,7 +191,9 @@ class Executor:
     def warm(self, weights, kv: KVStore, *, decode=(), prefill=(), truncate=(False,)) -> KVStore:
         """Compile (and run once, on padding rows that write only the scratch page) each decode bucket
         (rows, page-table width), for each `truncate` variant of the sampler (whether top-k/top-p is
-        compiled in), and each prefill bucket (rows, chunk width, page-table width)."""
+        compiled in), and each prefill bucket (rows, chunk width, page-table width). The compilations run
+        `compile_workers()` at a time (`compile_all`), the runs after them."""
+        self.compile_all(weights, kv, decode=decode, prefill=prefill, truncate=truncate)
         for rows, pages in decode:
             for tr in truncate:
                 _, _, kv = self.decode(weights, kv, padding_batch(rows, pages, tr))
@@ -198,3 +202,36 @@ class Executor:
                              np.zeros(rows, np.int32), np.zeros((rows, pages), np.int32))
             kv = self.prefill(weights, kv, b)
         return jax.block_until_ready(kv)
+
+    def compile_all(self, weights, kv: KVStore, *, decode=(), prefill=(), truncate=(False,), workers=None) -> int:
+        """Compile every listed step's executable from abstract inputs (nothing runs), `workers` threads at a
+        time (default `compile_workers()`): XLA compiles one executable on one core with the GIL released, so
+        a cold start's warm-up takes about 1/cores of the time. Returns how many were new. The executables are
+        the ones `decode`/`prefill` then use (the same cache key: shapes, dtypes, shardings)."""
+        rep = self.replicated
+        put = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep)  # noqa: E731
+        jobs = [("decode", model_step.decode_step,
+                 decode_inputs(weights, kv.k, kv.v, self._no_prev(), padding_batch(rows, pages, tr), put))
+                for rows, pages in decode for tr in truncate]
+        zeros = lambda *shape: put(np.zeros(shape, np.int32))  # noqa: E731
+        jobs += [("prefill", model_step.prefill_step,
+                  (weights, kv.k, kv.v, zeros(rows, width), zeros(rows), zeros(rows), zeros(rows, pages)))
+                 for rows, width, pages in prefill]
+        jobs = [j for j in jobs if not self.cache.has(j[0], j[1], *j[2], cfg=self.cfg, impl=self.impl)]
+        if jobs:
+            with concurrent.futures.ThreadPoolExecutor(min(len(jobs), workers or compile_workers())) as pool:
+                list(pool.map(lambda j: self.cache.compile(j[0], j[1], *j[2], cfg=self.cfg, impl=self.impl), jobs))
+        return len(jobs)
+
+
+def compile_workers() -> int:
+    """Threads that compile at once in a warm-up: the cores this process may use (JAXRL_COMPILE_WORKERS
+    overrides; 1 compiles one after another)."""
+    env = os.environ.get("JAXRL_COMPILE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:                              # not on Linux
+        return max(1, os.cpu_count() or 1)
+
