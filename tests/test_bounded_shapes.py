@@ -173,9 +173,14 @@ def test_step_shapes_only_up_to_the_requests_a_rollout_holds():
     tail = load_config(TrainConfig, ["algo.prompts_per_step=8", "algo.group_size=4", "rollout.tail_batching.enabled=true",
                                      "rollout.tail_batching.eta_prompts=1.5"])
     assert requests_in_flight(tail, 1) == 12 * 5 and requests_in_flight(tail, 2) == 6 * 5
-    svc = RolloutService.from_config(cfg.engine, CFG, init(jax.random.key(0), CFG), max_requests=32)
+    weights = init(jax.random.key(0), CFG)
+    svc = RolloutService.from_config(cfg.engine, CFG, weights, max_requests=32)
     sh = svc.instances[0].shapes
     assert svc.instances[0].max_batch == 32 and max(sh.batch) == 32 and max(sh.prefill_rows) <= 32
+    uncapped = RolloutService.from_config(cfg.engine, CFG, weights)
+    assert uncapped.instances[0].max_batch == 256
+    # The KV pool is still sized by engine.max_batch: runs with other caps share the executables of shared shapes.
+    assert svc.instances[0].kv.k.shape == uncapped.instances[0].kv.k.shape
     full = ShapeBuckets.build(max_batch=256, max_seq_len=cfg.engine.max_seq_len, page_size=cfg.engine.page_size,
                               per_octave=cfg.engine.batch_buckets_per_octave, page_buckets=cfg.engine.page_buckets)
     assert len(sh.decode_shapes()) < len(full.decode_shapes())

@@ -104,6 +104,11 @@ def test_bad_reward_name_stops_before_anything_compiles(tmp_path, user, capsys):
                          "rewards.fn=no_such_module:f")
     assert "no_such_module" in err
     assert not run_dir.exists()
+    bad = tmp_path / "empty_answers.jsonl"            # rows, but none usable: one line naming the file and row
+    bad.write_text(json.dumps({"prompt": "what is 1 + 1?", "answer": ""}) + "\n")
+    err = _startup_error(capsys, f"run_dir={run_dir}", f"data.source={bad}")
+    assert err.count("data.source: ") == 1 and "'answer' is empty" in err and f"{bad}:line 1" in err
+    assert not run_dir.exists()
 
 
 def test_own_model_data_and_reward_then_resume_against_another_config(tmp_path, user):

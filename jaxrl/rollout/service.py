@@ -68,13 +68,14 @@ class RolloutService:
                  kv_memory_fraction: float | None = None, prefill_chunk: int = 256, prefill_tokens: int = 8192,
                  kv_dtype=None, prefix_sharing: bool = True, router: str = "least_loaded",
                  attention_impl: str = "xla", overlap: bool = True, batch_buckets_per_octave: int = 2,
-                 page_buckets: int = 4, order: str = "fcfs"):
+                 page_buckets: int = 4, order: str = "fcfs", batch_cap: int | None = None):
         if router not in ROUTERS:
             raise ValueError(f"router={router!r}; valid choices: {', '.join(ROUTERS)}")
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}; valid choices: {', '.join(ATTENTION_IMPLS)}")
         enable_compilation_cache()
         self.cfg, self.router, self.max_seq_len = cfg, router, max_seq_len
+        self.batch_cap = batch_cap      # no instance runs more sequences (its step shapes stop there)
         self.devices = list(devices if devices is not None else jax.devices())
         self.memory = dict(num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_seq_len=max_seq_len,
                            kv_bytes_per_device=kv_bytes_per_device, kv_memory_fraction=kv_memory_fraction,
@@ -108,12 +109,12 @@ class RolloutService:
                     order: str = "fcfs", max_requests: int | None = None) -> RolloutService:
         """The service a `jaxrl.config.generate.EngineSection` describes, holding `weights` (`order`: admission,
         "lpt" for StreamRL's longest-predicted-first), with its PAT driver (`AdaptiveTP.from_config`).
-        `max_requests`: the most requests a rollout ever holds at once (the trainer's); max_batch is capped by
-        it, so no instance compiles step shapes it can never run."""
+        `max_requests`: the most requests a rollout ever holds at once (the trainer's); each instance's batch is
+        capped by it, so none compiles step shapes it can never run (the KV pool is still sized by max_batch)."""
         svc = cls(model_cfg, weights, tp=section.tp, instances=section.instances, devices=devices,
                   page_size=section.page_size, num_pages=section.num_pages,
                   kv_bytes_per_device=section.kv_bytes_per_device, kv_memory_fraction=section.kv_memory_fraction,
-                  max_batch=min(section.max_batch, max_requests or section.max_batch),
+                  max_batch=section.max_batch, batch_cap=max_requests,
                   max_seq_len=section.max_seq_len, prefix_sharing=section.prefix_sharing,
                   attention_impl=section.attention_impl, prefill_chunk=section.prefill_chunk,
                   prefill_tokens=section.prefill_tokens, overlap=section.overlap,
@@ -150,8 +151,9 @@ class RolloutService:
         m = dict(self.memory, max_batch=max_batch)
         if num_pages is not None:
             m["num_pages"] = num_pages
-        pages = instance_pages(self.cfg, mesh, weights, **m)
-        return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=max_batch, **self.instance_kw)
+        pages = instance_pages(self.cfg, mesh, weights, **m)     # (the pool as max_batch sizes it, cap or not)
+        cap = min(max_batch, self.batch_cap or max_batch)
+        return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=cap, **self.instance_kw)
 
     def _local_copies(self, weights, meshes) -> list | None:
         """Multi-process: global weights (shards on every process) become this process's instance copies

@@ -21,6 +21,7 @@ resume whose config differs writes `config.step<N>.yaml` beside it (N = the step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -45,6 +46,18 @@ _STEP_CONFIG = re.compile(r"^config\.step(\d+)\.yaml$")
 
 class StartupError(Exception):
     """A one-line start-up problem outside the config's own validation."""
+
+
+@contextlib.contextmanager
+def startup_errors(*pools, prefix: str = ""):
+    """A `ValueError` while the trainer builds (a bad data file, reward, environment, graph) becomes a
+    `StartupError` with `prefix` (the config key): one line, not a traceback; `pools` (reward pools) are closed."""
+    try:
+        yield
+    except ValueError as e:
+        for pool in pools:
+            pool.close()
+        raise StartupError(prefix + str(e)) from None
 
 
 def absolute(path: str | os.PathLike) -> str:

@@ -22,7 +22,6 @@ checkpoint 0 and the config.yaml it wrote are removed, so a retry with another c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -50,7 +49,8 @@ from .grad_stream import GradientStream
 from .metrics import MetricsLogger, Profiler
 from .optim import init_state, make_optimizer
 from .pipeline import TrainWorker, check_staleness, split_devices
-from .preflight import ResumePlan, StartupError, check_tokenizer, discard_unstarted, plan_resume, write_config
+from .preflight import (ResumePlan, check_tokenizer, discard_unstarted, plan_resume, startup_errors,
+                        write_config)
 from .rollout_side import RolloutSide, load_prompts, requests_in_flight
 from .step_metrics import placement_metrics, step_metrics, tail_metrics
 from .stream import StreamTrainer
@@ -79,16 +79,6 @@ def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
     return jax.devices(), jax.local_devices()
 
 
-@contextlib.contextmanager
-def _startup(pool: RewardPool, prefix: str = ""):
-    """A bad config or input found while building (GraphError too): the reward pool closed, one line."""
-    try:
-        yield
-    except ValueError as e:
-        pool.close()
-        raise StartupError(prefix + str(e)) from None
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, plan: ResumePlan | None = None, timeline=None):
         """`plan`: the start-up decision of `preflight.plan_resume` (made here when None). `timeline`
@@ -98,12 +88,13 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         model_cfg, dtype, t, a = cfg.model.model_config(), cfg.model.jnp_dtype(), cfg.trainer, cfg.algo
         self.tokenizer = load_tokenizer(check_tokenizer(cfg))
-        self.dataset = load_prompts(cfg, self.tokenizer)
+        with startup_errors(prefix="data.source: "):      # (a file without one usable row: one line)
+            self.dataset = load_prompts(cfg, self.tokenizer)
         self.pool = RewardPool.from_config(cfg.rewards)
-        with _startup(self.pool):
+        with startup_errors(self.pool):
             check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry), self.pool)
         rewards = RewardScheduler.from_config(cfg.rewards, self.pool)   # cancellation; code: sandbox, timeouts
-        with _startup(self.pool, "rollout.env: "):   # multi-turn: environments stepped in the same worker pool
+        with startup_errors(self.pool, prefix="rollout.env: "):   # multi-turn: environments stepped in the pool
             turns = MultiTurn.from_config(cfg, self.tokenizer, self.pool, self.dataset)
         layout = cfg.train_layout.build()
         train_devices, gen_devices = _devices(cfg, layout)
@@ -139,7 +130,7 @@ class Trainer:
         rs = RolloutSide(cfg, self.tokenizer, self.dataset, svc, policy, rewards,
                          rl.RewardFailureGuard(cfg.rewards.max_failed_steps), stream=stream, gstream=gstream,
                          run_dir=self.run_dir, turns=turns)
-        with _startup(self.pool):     # DistFlow: the step's graph, planned and bound to its functions before any work
+        with startup_errors(self.pool):     # DistFlow: the step's graph, planned and bound to its functions
             self.flow = Flow.build(cfg, streamed_update=bool(stream or gstream))
         databuffer = SampleBuffer(mesh, uc.pack_len) if t.repartition == "tokens" else None
         self.train = TrainContext(cfg, self.tokenizer, uc, rs, rewards, rs.reward_guard, critic, databuffer, worker,
@@ -149,7 +140,7 @@ class Trainer:
         self.step = 0
         self.resumed = self._resume()
         if not self.resumed:      # StreamRL's length ranker from rollout.skew.ranker.pairs (a bad row: file, line)
-            with _startup(self.pool, "rollout.skew.ranker.pairs: "):
+            with startup_errors(self.pool, prefix="rollout.skew.ranker.pairs: "):
                 rs.warm_start_ranker()
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
