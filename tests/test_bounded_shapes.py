@@ -179,8 +179,10 @@ def test_step_shapes_only_up_to_the_requests_a_rollout_holds():
     assert svc.instances[0].max_batch == 32 and max(sh.batch) == 32 and max(sh.prefill_rows) <= 32
     uncapped = RolloutService.from_config(cfg.engine, CFG, weights)
     assert uncapped.instances[0].max_batch == 256
-    # The KV pool is still sized by engine.max_batch: runs with other caps share the executables of shared shapes.
+    # The KV pool and the decode step's token vector are still sized by engine.max_batch: runs with other caps
+    # share the executables of their common shapes.
     assert svc.instances[0].kv.k.shape == uncapped.instances[0].kv.k.shape
+    assert svc.instances[0].executor.max_batch == uncapped.instances[0].executor.max_batch == 256
     full = ShapeBuckets.build(max_batch=256, max_seq_len=cfg.engine.max_seq_len, page_size=cfg.engine.page_size,
                               per_octave=cfg.engine.batch_buckets_per_octave, page_buckets=cfg.engine.page_buckets)
     assert len(sh.decode_shapes()) < len(full.decode_shapes())

@@ -65,7 +65,13 @@ class Instance:
     def __init__(self, index: int, cfg: ModelConfig, mesh, weights, *, num_pages: int, page_size: int = 16,
                  max_batch: int = 64, max_seq_len: int | None = None, prefill_chunk: int = 256,
                  prefill_tokens: int = 8192, kv_dtype=None, prefix_sharing: bool = True, attention_impl: str = "xla",
-                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 4, order: str = "fcfs"):
+                 overlap: bool = True, batch_buckets_per_octave: int = 2, page_buckets: int = 4, order: str = "fcfs",
+                 token_slots: int | None = None):
+        """`token_slots` (>= max_batch; default max_batch): the batch the instance's pool and decode token vector
+        were sized for before a cap (`RolloutService(batch_cap=)`); the token vector is part of every decode
+        executable's signature, so instances with other caps share executables, and a relayout sizes its
+        instances from it (`pool_batch`), not from the capped max_batch."""
+        self.pool_batch = max(max_batch, token_slots or max_batch)
         self.index, self.cfg, self.mesh, self.weights = index, cfg, mesh, weights
         self.layout = Layout(tp=mesh.shape["tp"])
         self.shapes = ShapeBuckets.build(max_batch=max_batch, max_seq_len=max_seq_len or (num_pages - 1) * page_size,
@@ -77,7 +83,7 @@ class Instance:
                                order=order)
         dtype = kv_dtype or jax.tree.leaves(weights)[0].dtype
         self.kv = KVStore.allocate(cfg, mesh, ShardingRules.rollout(cfg, self.layout), num_pages, page_size, dtype)
-        self.executor = Executor(cfg, mesh, max_batch=max_batch, attention_impl=attention_impl)
+        self.executor = Executor(cfg, mesh, max_batch=self.pool_batch, attention_impl=attention_impl)
         self.overlap = overlap
         self.external: set[int] = set()    # weight buffers shared with arrays the caller owns: never free them
         self.busy_s = 0.0

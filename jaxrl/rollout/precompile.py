@@ -48,7 +48,8 @@ def target_plan(svc, tp: int) -> list[dict]:
     """Per instance of a uniform TP-`tp` layout of `svc`'s pool, as `svc.relayout(tp)` would build it: the
     mesh, the abstract weights and KV pool (with their shardings), and the step shapes."""
     groups = plan_layout(tp, len(svc.devices) // tp, svc.devices)
-    max_batch = max(1, sum(i.max_batch for i in svc.instances) // len(groups))
+    max_batch = max(1, sum(getattr(i, "pool_batch", i.max_batch) for i in svc.instances) // len(groups))
+    cap = min(max_batch, getattr(svc, "batch_cap", None) or max_batch)       # as `RolloutService.build_instance`
     cfg, kw = svc.cfg, svc.instance_kw
     current = svc.instances[0].weights
     abstract = models.abstract(svc.cfg, vocab_size=padded_vocab_for(cfg, Layout(tp=tp)))
@@ -61,7 +62,7 @@ def target_plan(svc, tp: int) -> list[dict]:
         kv_sh = shardings_for(kv_cache_spec(cfg, pages, kw["page_size"], dtype), mesh,
                               ShardingRules.rollout(cfg, Layout(tp=tp)))
         kv_shape = (cfg.num_layers, pages, cfg.num_kv_heads, kw["page_size"], cfg.head_dim)
-        shapes = ShapeBuckets.build(max_batch=max_batch, max_seq_len=kw["max_seq_len"] or (pages - 1) * kw["page_size"],
+        shapes = ShapeBuckets.build(max_batch=cap, max_seq_len=kw["max_seq_len"] or (pages - 1) * kw["page_size"],
                                     page_size=kw["page_size"], prefill_chunk=kw["prefill_chunk"],
                                     prefill_tokens=kw["prefill_tokens"], per_octave=kw["batch_buckets_per_octave"],
                                     page_buckets=kw["page_buckets"])

@@ -152,8 +152,9 @@ class RolloutService:
         if num_pages is not None:
             m["num_pages"] = num_pages
         pages = instance_pages(self.cfg, mesh, weights, **m)     # (the pool as max_batch sizes it, cap or not)
-        cap = min(max_batch, self.batch_cap or max_batch)
-        return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=cap, **self.instance_kw)
+        cap = min(max_batch, self.batch_cap or max_batch)       # (token vector and pool as without the cap)
+        return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=cap, token_slots=max_batch,
+                        **self.instance_kw)
 
     def _local_copies(self, weights, meshes) -> list | None:
         """Multi-process: global weights (shards on every process) become this process's instance copies
@@ -349,8 +350,8 @@ class RolloutService:
         self.pause()
         t0 = time.perf_counter()
         groups = plan_layout(tp, instances, self.devices)
-        if max_batch is None:
-            max_batch = max(1, sum(i.max_batch for i in self.instances) // len(groups))
+        if max_batch is None:       # (the batch the instances were sized for, before a cap)
+            max_batch = max(1, sum(getattr(i, "pool_batch", i.max_batch) for i in self.instances) // len(groups))
         new, report = migration.relayout(self, groups, kv=kv, max_batch=max_batch, num_pages=num_pages, probe=probe,
                                          weights=weights, classes=classes)
         self.instances = new
