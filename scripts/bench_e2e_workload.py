@@ -25,6 +25,7 @@ plain "prompt" column). Reward: the share of the response's words whose index is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -33,24 +34,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_train import MODELS as TRAIN_MODELS
 from models import ModelConfig, init, load_tokenizer, save_hf
 
-V = 32000
 PAD, EOS = "<pad>", "<|eos|>"
 P_EOS = 1 / 66
 C, NOISE, LAYER_SCALE = 1.0, 0.01, 1e-3
 PROMPT_LEN = 24
 PROMPTS = 256
 
-_QWEN3 = dict(architecture="qwen3", vocab_size=V, rope_theta=1_000_000.0, max_position_embeddings=4096, qk_norm=True)
-MODELS = {   # the shapes of scripts/bench_train.py and bench_rollout.py
-    "3.2m": ModelConfig(**_QWEN3, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2,
-                        head_dim=64, tie_embeddings=True),
-    "58m": ModelConfig(**_QWEN3, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4,
-                       head_dim=64, tie_embeddings=False),
-    "tiny": ModelConfig(**{**_QWEN3, "vocab_size": 512}, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16, tie_embeddings=True),
-}
+MODELS = {**TRAIN_MODELS,   # scripts/bench_train.py's 3.2m and 58m shapes (also bench_rollout's), and a smoke-test size
+          "tiny": dataclasses.replace(TRAIN_MODELS["3.2m"], vocab_size=512, hidden_size=64, intermediate_size=128,
+                                      num_layers=2, head_dim=16)}
 
 REWARD_MODULE = '''"""bench_e2e's reward (written by scripts/bench_e2e_workload.py): the share of the response's words whose
 index is even. jaxrl calls reward(response, answer, task); TRL through bench_e2e_trl.py's wrapper."""
