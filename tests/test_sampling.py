@@ -124,3 +124,26 @@ def test_truncation_keeps_boundary_ties_together():
     probs = jax.nn.softmax(x, axis=-1)
     thr = truncation_threshold(x, probs, jnp.asarray([2], jnp.int32), jnp.asarray([1.0], jnp.float32))
     assert np.asarray(_ordered(x) >= thr).tolist() == [[True, True, True, True, False]]
+
+
+def test_decode_inputs_pack_round_trip():
+    """`model_step.DecodeInputs` packs a decode step's nine per-row host inputs into one int32 array (one
+    transfer a step); unpacked inside a compiled function they are the same values bit for bit: negative
+    `src` (-1: the token is on the host), seeds above 2**31, float temperatures and top-p, the page table."""
+    from jaxrl.rollout.model_step import DecodeInputs
+
+    rows = [(SamplingParams(temperature=0.7, top_k=5, top_p=0.9), 2**32 - 3, 4), (SamplingParams(temperature=0.0), 7, 0),
+            (SamplingParams(temperature=1.3, top_p=0.25), 2**31 + 11, 9)]
+    sb = SamplingBatch.build(rows, 4)
+    src, tokens, positions = np.array([-1, 2, 0, -1], np.int32), np.array([5, 0, 0, 3], np.int32), np.arange(4, dtype=np.int32) * 7
+    table = np.arange(24, dtype=np.int32).reshape(4, 6)
+    x = DecodeInputs.pack(src, tokens, positions, table, sb)
+    assert x.packed.dtype == np.int32 and x.packed.shape == (4, len(DecodeInputs.COLUMNS) + 6) and x.truncate
+    got = jax.jit(lambda d: d.unpack())(DecodeInputs(jnp.asarray(x.packed), x.truncate))
+    for want, have in zip((src, tokens, positions, table), got[:4]):
+        np.testing.assert_array_equal(np.asarray(have), want)
+    for field in ("temperature", "top_k", "top_p", "seed", "step"):
+        want, have = getattr(sb, field), np.asarray(getattr(got[4], field))
+        assert have.dtype == want.dtype, field
+        np.testing.assert_array_equal(have, want, err_msg=field)
+    assert got[4].truncate

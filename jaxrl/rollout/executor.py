@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -52,16 +53,21 @@ def canonical(sharding):
     return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
+@functools.lru_cache(maxsize=4096)
+def _placement(sh, ndim: int):
+    """A sharding as `_signature` keys it (memoised: the same few shardings recur every step)."""
+    if isinstance(sh, NamedSharding):          # P(None, 'tp') and P(None, 'tp', None) are one sharding,
+        spec = tuple(_axes(e, sh.mesh) for e in sh.spec) + (None,) * (ndim - len(sh.spec))
+        return sh.mesh, spec, sh.memory_kind   # and so are P('tp') and P() when tp has size 1
+    return sh
+
+
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
     sig = []
     for x in leaves:
         if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-            sh = x.sharding
-            if isinstance(sh, NamedSharding):      # P(None, 'tp') and P(None, 'tp', None) are one sharding,
-                spec = tuple(_axes(e, sh.mesh) for e in sh.spec) + (None,) * (x.ndim - len(sh.spec))
-                sh = (sh.mesh, spec, sh.memory_kind)   # and so are P('tp') and P() when tp has size 1
-            sig.append((x.shape, x.dtype, sh))
+            sig.append((x.shape, x.dtype, _placement(x.sharding, x.ndim)))
         else:
             x = np.asarray(x)
             sig.append((x.shape, x.dtype))
@@ -149,10 +155,10 @@ def padding_batch(rows: int, pages: int, truncate: bool) -> DecodeBatch:
 
 
 def decode_inputs(weights, k, v, prev_tokens, b: DecodeBatch, put) -> tuple:
-    """The positional inputs of `model_step.decode_step` for batch `b`; `put` places host arrays (a device
-    put, or a `jax.ShapeDtypeStruct` for compiling ahead: `precompile`)."""
-    sb = jax.tree.map(put, SamplingBatch.build(b.sampling, len(b.tokens)))
-    return (weights, k, v, prev_tokens, put(b.src), put(b.tokens), put(b.positions), put(b.table), sb)
+    """The positional inputs of `model_step.decode_step` for batch `b`; `put` places the one packed host
+    array (a device put, or a `jax.ShapeDtypeStruct` for compiling ahead: `precompile`)."""
+    x = model_step.DecodeInputs.pack(b.src, b.tokens, b.positions, b.table, SamplingBatch.build(b.sampling, len(b.tokens)))
+    return (weights, k, v, prev_tokens, model_step.DecodeInputs(put(x.packed), x.truncate))
 
 
 class Executor:
@@ -168,8 +174,8 @@ class Executor:
         return jax.device_put(x, self.replicated)
 
     def prefill(self, weights, kv: KVStore, b: PrefillBatch) -> KVStore:
-        k, v = self.cache("prefill", model_step.prefill_step, weights, kv.k, kv.v, self.put(b.tokens),
-                          self.put(b.start), self.put(b.n_valid), self.put(b.table), cfg=self.cfg, impl=self.impl)
+        host = self.put((b.tokens, b.start, b.n_valid, b.table))       # (one batched transfer)
+        k, v = self.cache("prefill", model_step.prefill_step, weights, kv.k, kv.v, *host, cfg=self.cfg, impl=self.impl)
         return KVStore(k, v)
 
     def decode(self, weights, kv: KVStore, b: DecodeBatch, prev_tokens=None):
