@@ -87,7 +87,7 @@ class DecodeInputs:
     """A decode step's per-row host inputs packed into one int32 array [B, 8 + MP]: the columns `COLUMNS`
     (float32 and uint32 ones by their bits), then the page table. One host-to-device transfer a step instead
     of nine: each costs ~0.1 ms of host time, about half of a batch-1 step of the tiny model on the CPU
-    (tests/test_rollout.py checks the round trip). `truncate` is static, as in `SamplingBatch`."""
+    (tests/test_sampling.py checks the round trip). `truncate` is static, as in `SamplingBatch`."""
 
     packed: jax.Array
     truncate: bool = False
