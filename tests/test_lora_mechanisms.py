@@ -27,8 +27,8 @@ from sharding import ShardingRules, shardings_for
 from . import test_movable_state as mv
 from . import test_stream_trainer as stt
 from .test_lora import _randomise_b
-from .train_runs import (DEFAULT_OPT, PARAM_ATOL_F32, POOLS, ROOT, TINY, _checkpoint_leaves, _checkpoint_tree, _env,
-                         _metrics, _params, _train, kill_and_resume)
+from .train_runs import (NOISE_ATOL, PARAM_ATOL_F32, POOLS, ROOT, TINY, _checkpoint_leaves,
+                         _checkpoint_tree, _env, _metrics, _params, _train, kill_and_resume)
 
 CFG = dataclasses.replace(mv.CFG, lora=LoraConfig(rank=4, alpha=8.0))
 # Streamed vs synchronous adapter gradient (relative, global norm, float32). The full-parameter twin's bound is
@@ -90,13 +90,17 @@ LORA_RUN = ["model.lora.rank=4", "model.lora.alpha=8", "algo.kl_coef=0.05", *POO
 
 def test_lora_run_kill_and_resume_is_bit_identical(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    kill_and_resume(full, killed, ["steps=4", "save_every=1", *LORA_RUN], env=DEFAULT_OPT)
+    kill_and_resume(full, killed, ["steps=4", "save_every=1", *LORA_RUN])
     rows = _metrics(full)
     assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in _metrics(killed)]
-    # the reference is the base: at step 0 (B = 0) the policy is the base exactly, so the KL is 0, then not.
-    # (Exactly 0 at XLA's default level, where the policy's and the base's log-probs round alike; at level 0
-    # (tests/conftest.py) they differ in the last bits: KL 6.8e-16.)
-    assert rows[0]["kl"] == 0.0 and any(r["kl"] > 0 for r in rows[1:])
+    # the reference is the base: at step 0 (B = 0) the policy is the base, so the KL is rounding noise, then
+    # grows. Noise, not 0: the policy's forward (base + x·A·B) and the base's are two compiled programs whose
+    # fusions round alike on some CPUs (KL exactly 0 on a Xeon at XLA's default level) and not on others
+    # (3.4e-16 on an AMD EPYC at the default level; 6.8e-16 at the suite's level 0, tests/conftest.py, where
+    # this run compiles in 77 CPU-s against 113 at the default level, empty cache).
+    # It grows to 7e-9 and 2.3e-8 at steps 2 and 3 (the first steps have little reward signal): 1e3 x the noise.
+    kl0 = abs(rows[0]["kl"])
+    assert kl0 < NOISE_ATOL and max(r["kl"] for r in rows[1:]) > 1e3 * max(kl0, 1e-13)
     # only the adapters move into the 4 rollout instances
     assert all(r["sync_bytes"] > 0 for r in rows)
     # the checkpoint: adapters + their AdamW moments + the warmed base (warm start on), no second optimizer

@@ -28,21 +28,53 @@ from jaxrl.train.metrics import read_rows
 
 def machine() -> dict:
     """Where the run ran: OS platform string, CPU model (from /proc/cpuinfo; `platform.processor()`
-    elsewhere), logical CPUs in the machine and those this process may use."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
+    elsewhere) and its `cpu_id`, logical CPUs in the machine and those this process may use."""
+    cpu = _cpuinfo().get("model name", "")
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:                                  # not on Linux
         usable = os.cpu_count()
-    return {"platform": platform.platform(), "cpu": cpu or platform.processor() or "unknown",
+    return {"platform": platform.platform(), "cpu": cpu or platform.processor() or "unknown", "cpu_id": cpu_id(),
             "cpu_count": os.cpu_count(), "cores": usable, "python": platform.python_version()}
+
+
+# the flags that change the code XLA:CPU emits (its LLVM target features): vector widths, FMA, bf16/int8 dots
+_ISA = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+        "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_id() -> str:
+    """The CPU as far as float32 rounding can tell: XLA:CPU compiles for the host's vector ISA, and the matmul
+    blocking that orders a dot's sums follows the cache sizes, so two CPUs of one model name (/proc/cpuinfo
+    says "AMD EPYC" for several Zen generations) can round alike only if all of these match. Model name,
+    family/model/stepping, cache sizes (cpu0's, from /sys) and the ISA flags in `_ISA` that are set; "" where
+    /proc/cpuinfo is absent (not Linux). A golden record kept per CPU (tests/golden/flow_default.json) keys on
+    this."""
+    info = _cpuinfo()
+    if not info:
+        return ""
+    caches = []
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((d / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        caches.append(f"L{level}{kind[0].lower() if kind != 'Unified' else ''} {size}")
+    flags = set(info.get("flags", "").split())
+    return "; ".join([info.get("model name", "?"),
+                      f"family {info.get('cpu family', '?')} model {info.get('model', '?')} "
+                      f"stepping {info.get('stepping', '?')}",
+                      " ".join(caches) or f"cache {info.get('cache size', '?')}",
+                      " ".join(f for f in _ISA if f in flags)])
+
+
+def _cpuinfo() -> dict:
+    """/proc/cpuinfo's first processor block as {field: value}; {} where it cannot be read."""
+    try:
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
 
 
 def _mean(xs: list[float]) -> float | None:
