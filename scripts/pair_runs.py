@@ -2,6 +2,7 @@
 
     scripts/venv.sh python scripts/pair_runs.py                  # every accepted pair (about 100 runs: long)
     scripts/venv.sh python scripts/pair_runs.py pat skew         # the pairs that include any of these mechanisms
+    scripts/venv.sh python scripts/pair_runs.py --within pat scale_up   # only pairs of these (here: one)
     scripts/venv.sh python scripts/docs.py                       # then re-render docs/composition.md
 
 `scripts/composition.py` says which pairs the config accepts; this runs each of them, as a user would:
@@ -77,13 +78,16 @@ def run_pair(a: str, b: str, timeout: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("only", nargs="*", help="run only the pairs that include one of these mechanisms")
+    ap.add_argument("--within", action="store_true", help="only the pairs whose two mechanisms are both named")
     ap.add_argument("--timeout", type=int, default=900)
     args = ap.parse_args(argv)
     bad = [m for m in args.only if m not in MECHANISMS]
     if bad:
         raise SystemExit(f"unknown mechanism(s) {bad}; known: {list(MECHANISMS)}")
     accepted = [(a, b) for (a, b), refused in pair_matrix().items() if refused is None]
-    todo = [(a, b) for a, b in accepted if not args.only or a in args.only or b in args.only]
+    named = (lambda a, b: a in args.only and b in args.only) if args.within else \
+        (lambda a, b: a in args.only or b in args.only)
+    todo = [(a, b) for a, b in accepted if not args.only or named(a, b)]
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
     done = {(r["a"], r["b"]): r for r in old.get("pairs", []) if (r["a"], r["b"]) in set(accepted)}
     for i, (a, b) in enumerate(todo, 1):

@@ -52,10 +52,6 @@ def check_placement(cfg) -> None:
     if t.stream.enabled:
         raise ConfigError("trainer.stream.enabled", f"true {why}: training has its own devices; RollPacker's stream "
                           "trainer frees rollout devices for it (colocated placement)")
-    if e.adaptive_tp.enabled or e.planner.enabled:
-        key = "engine.adaptive_tp.enabled" if e.adaptive_tp.enabled else "engine.planner.enabled"
-        if sb.scale_up:
-            raise ConfigError(key, "true with stage_balance.scale_up: both change the generation layout; use one")
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: gradients stream over fixed-shape "
                           "micro-batches; set a token budget")

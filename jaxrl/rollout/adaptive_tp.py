@@ -375,7 +375,9 @@ class SwitchDecision:
 class SwitchController:
     """Algorithm 1 over a `Predictor`: `decide(current_tp, live, step=, warm=)` returns a `SwitchDecision`.
 
-    `candidates`: TP sizes to consider (those the profile has; each must divide `devices`); `kv`: auto |
+    `candidates`: TP sizes to consider (those the profile has; each must divide `devices`, the pool it is
+    built for; on a pool StreamRL's scale-up grew, `devices` is reset and a TP that does not divide it runs
+    devices // TP instances, the rest idle); `kv`: auto |
     migrate | recompute; `warm(tp) -> bool` says whether that layout's executables are compiled.
 
     `min_gain` (beyond the paper; 0 = Algorithm 1 exactly): switch only when the best candidate's total

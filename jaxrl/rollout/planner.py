@@ -143,6 +143,7 @@ class TPPlanner:
         if max_tp is not None and (not isinstance(max_tp, int) or max_tp < 1):
             raise ValueError(f"max_tp={max_tp!r} must be a positive int or None")
         self.devices, self.rise, self.calm_steps, self.max_tp = devices, float(rise), calm_steps, max_tp
+        self.pool = devices                  # the pool it was built for (`devices` may grow: `resize`)
         self.candidates = candidate_tps(devices, cfg, max_tp)
         if fits is not None:
             dropped = [t for t in self.candidates if not fits(t)]
@@ -177,6 +178,14 @@ class TPPlanner:
             return None
         return cls(devices, cfg, start_tp, rise=float(section.rise), calm_steps=section.calm_steps,
                    max_tp=section.max_tp, fits=fits)
+
+    def resize(self, devices: int) -> None:
+        """StreamRL's scale-up grew the pool to `devices`: every layout from now on is tp x (devices // tp).
+        The candidates stay those of the pool the planner was built for (each divides it); on a grown pool a TP
+        that does not divide it runs devices // tp instances and leaves the rest idle."""
+        if not isinstance(devices, int) or devices < self.pool:
+            raise ValueError(f"devices={devices!r}: a pool only grows (built for {self.pool})")
+        self.devices = devices
 
     def layout_for(self, round_type: str) -> RolloutLayout:
         """The layout the next step of `round_type` should run at (`start_tp` for a round type not seen yet)."""

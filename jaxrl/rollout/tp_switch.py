@@ -174,7 +174,8 @@ class AdaptiveTP:
                                     for c, i in zip(self.classes.caps(), svc.instances)])
                 d.actual["long_instances"] = self.classes.n_long
             self.seen.add(d.tp)
-            d.actual.update(switch_s=report.seconds, kv_s=report.kv.seconds, weight_bytes=report.weight_bytes,
+            d.actual.update(instances=len(svc.instances), switch_s=report.seconds, kv_s=report.kv.seconds,
+                            weight_bytes=report.weight_bytes,
                             weight_bytes_contiguous=report.weight_bytes_contiguous,
                             kv_bytes=report.kv.kv_bytes, moved=report.sequences, compiles=report.compiles)
             rest, cost = next(((c.remaining_s, c.switch_s) for c in d.candidates if c.tp == d.tp), (0.0, 0.0))
@@ -260,10 +261,14 @@ class AdaptiveTP:
             svc.relayout(tp0, len(start))
         return n
 
-    def home(self, svc, layout, weights=None, *, warm=None, adapters_only: bool = False):
+    def home(self, svc, layout, weights=None, *, warm=None, adapters_only: bool = False, devices: int | None = None):
         """Between steps: bring the service back to `layout` (a `planner.RolloutLayout`: the step's starting
-        one, or the planner's), syncing `weights` on the way (`planner.apply`). The step's classes end here."""
+        one, or the planner's), syncing `weights` on the way (`planner.apply`). The step's classes end here.
+        `devices` (default: `layout`'s) is the pool the next generation's switches share (`controller.devices`):
+        the configured pool, or one StreamRL's scale-up grew, where a candidate TP that does not divide it runs
+        devices // TP instances and leaves the rest idle."""
         self._close()
+        self.controller.devices = devices or layout.tp * layout.instances
         self.classes = None
         self._steps = 0
         return apply(svc, layout, weights, warm=warm, adapters_only=adapters_only)

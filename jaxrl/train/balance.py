@@ -67,15 +67,22 @@ class ScaleUp:
         self.since = section.min_steps          # steps since the last scale-up
         self.scaled = 0
 
-    def step(self, svc, t_gen: float, t_train: float, params, *, warm=None) -> dict:
-        """After a step: decide, and grow `svc` by one instance when due (its weights from `params`)."""
-        k = len(svc.instances)
+    def step(self, svc, t_gen: float, t_train: float, params, *, warm=None, grow=None,
+             instances: int | None = None) -> dict:
+        """After a step: decide, and grow `svc` by one instance when due (its weights from `params`): by
+        `grow(instances)` when given (the trainer's: `RolloutSide.grow`, the owner of the layout), else by a
+        relayout of `svc` here. `instances`: the pool's size in instances of `tp` devices (default: the
+        service's instances; the rollout side's count when the planner may run another TP)."""
+        k = len(svc.instances) if instances is None else instances
         due, delta, gain = scale_up_due(t_gen, t_train, k)
         self.since += 1
-        room = k < self.section.max_instances and sum(svc.layout) + self.tp <= len(svc.devices)
+        room = k < self.section.max_instances and (k + 1) * self.tp <= len(svc.devices)
         grew = 0
         if due and room and self.since >= self.section.min_steps:
-            svc.relayout(self.tp, k + 1, weights=params)
+            if grow is not None:
+                grow(k + 1)
+            else:
+                svc.relayout(self.tp, k + 1, weights=params)
             if warm is not None:
                 svc.warm(warm)
             self.since, self.scaled, grew = 0, self.scaled + 1, 1

@@ -100,6 +100,7 @@ class RolloutSide:
         self.turns = turns              # multi-turn (rollout.env): trajectories with an environment
         self.engine_version = 0         # the step whose weights the generation instances hold
         self.prefetched: Prefetched | None = None      # one-step-async: the next step's rollout, already made
+        self.instances = cfg.engine.instances   # the instances a rollout starts on: configured, or scaled up (`grow`)
         n_proc, per_step, tb = jax.process_count(), cfg.algo.prompts_per_step // jax.process_count(), \
             cfg.rollout.tail_batching
         self.tail = None
@@ -241,7 +242,7 @@ class RolloutSide:
         starts on (`relayout`: one reshard; a layout seen for the first time compiles its step set here). With
         LoRA only the adapters move unless `base_changed` (a resume: the base came from the checkpoint) or the
         layout changes."""
-        if self.planner or self.svc.adaptive is not None:
+        if self.planner or self.svc.adaptive is not None or len(self.svc.instances) != self.instances:
             self.relayout(params, adapters_only=not base_changed)
         else:
             self.svc.update_weights(params, adapters_only=not base_changed)
@@ -249,15 +250,26 @@ class RolloutSide:
 
     def relayout(self, weights=None, *, adapters_only: bool = False):
         """The generation layout the next rollout starts on: the planner's for the next round type, else the
-        configured one (PAT may have switched mid-rollout), syncing `weights` on the way when given."""
+        configured TP over `instances` (PAT may have switched mid-rollout), syncing `weights` on the way when
+        given."""
         e = self.cfg.engine
         layout = self.planner.layout_for(self.tail.next_kind() if self.tail else "sync") if self.planner \
-            else RolloutLayout(e.tp, e.instances)
+            else RolloutLayout(e.tp, self.instances)
         warm = self.sampling_params() if self.planner and self.cfg.trainer.warmup else None
         if self.svc.adaptive is not None:
-            self.svc.adaptive.home(self.svc, layout, weights, warm=warm, adapters_only=adapters_only)
+            self.svc.adaptive.home(self.svc, layout, weights, warm=warm, adapters_only=adapters_only,
+                                   devices=self.instances * e.tp)
         else:
             apply_layout(self.svc, layout, weights, warm=warm, adapters_only=adapters_only)
+
+    def grow(self, instances: int, weights) -> None:
+        """StreamRL's scale-up (`balance.ScaleUp`, between steps): every rollout from now on starts on
+        `instances` instances, and the service moves there now, `weights` into the new one. The rollout side
+        owns the generation layout: the planner's TP and PAT's switches spread over the grown pool."""
+        self.instances = instances
+        if self.planner:
+            self.planner.resize(instances * self.cfg.engine.tp)
+        self.relayout(weights)
 
     def sampling_params(self) -> list:
         """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
@@ -269,7 +281,7 @@ class RolloutSide:
     def state_dict(self) -> dict:
         """The checkpoint meta of the rollout side: the loader's position, the long-prompt queue (global, the
         same on every process), the planner's, the length ranker and one-step-async's next rollout."""
-        meta = {"loader": self.loader.state_dict()}
+        meta = {"loader": self.loader.state_dict(), "instances": self.instances}
         if self.tail:
             meta["tail"] = self.tail.state_dict()
         if self.planner:
@@ -282,6 +294,9 @@ class RolloutSide:
 
     def load_state_dict(self, meta: dict) -> None:
         self.loader.load_state_dict(meta["loader"])
+        self.instances = int(meta.get("instances", self.cfg.engine.instances))    # (the resume's sync moves there)
+        if self.planner:
+            self.planner.resize(self.instances * self.cfg.engine.tp)
         if self.tail:
             self.tail.load_state_dict(meta.get("tail", {"queue": [], "rounds": {"short": 0, "long": 0}}))
         if self.planner and "planner" in meta:

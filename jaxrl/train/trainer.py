@@ -227,7 +227,8 @@ class Trainer:
             if self.balance is not None:
                 warm = self.rollout.sampling_params() if cfg.trainer.warmup else None
                 out.update(self.balance.step(self.svc, rstats["rollout_s"], tc.worker.take_busy(), pol.params,
-                                             warm=warm))
+                                             warm=warm, grow=lambda n: self.rollout.grow(n, pol.params),
+                                             instances=self.rollout.instances))
         return out
 
     # ------------------------------------------------------------------------------------------ run

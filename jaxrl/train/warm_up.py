@@ -60,6 +60,11 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
         k = len(svc.instances)
         svc.relayout(cfg.engine.tp, cfg.stage_balance.max_instances, weights=pol.params)
         n += svc.warm(sampling)
+        if svc.adaptive is not None and cfg.engine.adaptive_tp.warm:    # PAT's layouts on the grown pool too
+            ctl = svc.adaptive.controller
+            configured, ctl.devices = ctl.devices, cfg.engine.tp * cfg.stage_balance.max_instances
+            n += svc.adaptive.warm_layouts(svc, sampling)
+            ctl.devices = configured
         svc.relayout(cfg.engine.tp, k, weights=pol.params)
     if rs.skew:              # the length ranker's train step and forward
         rs.skew.ranker.warm()
