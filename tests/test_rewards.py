@@ -146,6 +146,9 @@ def test_pool_results_carry_the_cause(pool):
 
 
 def test_pool_streaming(pool):
+    # (the workers replaced after the earlier tests' timeouts up first: a fast item waiting for a worker
+    # that is still starting finished after the 0.6 s one, twice on a loaded 2-core VM)
+    assert pool.wait_ready()
     slow = pool.submit((T + "sleep_then_one", "0.6", "", ""))
     fast = pool.submit((T + "sleep_then_one", "0.0", "", ""))
     hang = pool.submit((T + "sleep_forever", "", "", ""), timeout_s=0.3)  # per-item timeout

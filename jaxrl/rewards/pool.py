@@ -187,6 +187,15 @@ class RewardPool:
             raise error
         return self
 
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until every worker is ready (one replaced after a timeout or a crash starts anew), at most
+        `timeout_s` (default: the start-up timeout); True when all are. Items never need this (the dispatcher
+        hands them to ready workers); a caller that times items from their submission does."""
+        self.start()
+        with self._cv:
+            return self._cv.wait_for(lambda: self._closed or all(w.ready for w in self._workers),
+                                     timeout=self.startup_timeout_s if timeout_s is None else timeout_s)
+
     def close(self) -> None:
         """Stop the dispatcher, let idle workers exit, SIGKILL the rest. Unfinished items are dropped."""
         with self._cv:
