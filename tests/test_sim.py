@@ -206,11 +206,11 @@ def test_rows_and_their_train_configs():
     assert tc.rollout.tail_batching.enabled and tc.engine.planner.enabled and tc.trainer.stream.enabled
     assert not tc.engine.adaptive_tp.enabled and tc.placement == "colocated"
     # a combination a training run refuses is refused here with the training config's message
-    with pytest.raises(ConfigError, match="trainer.stream.enabled.*own devices"):
+    with pytest.raises(ConfigError, match="trainer.stream.enabled.*simulator times the stream trainer"):
         train_config(cfg, ("disaggregated", "stream_trainer"), gen_gpus=4, profile=None, prompt_len=256)
     tc = train_config(cfg, ("skew", "pat"), gen_gpus=8, profile="p.json", prompt_len=256)    # composes now
     assert tc.rollout.skew.enabled and tc.engine.adaptive_tp.enabled
-    with pytest.raises(ConfigError, match="trainer.stream.enabled.*own devices"):
+    with pytest.raises(ConfigError, match="trainer.stream.enabled.*async_steps=1"):
         train_config(cfg, ("async_steps", "stream_trainer"), gen_gpus=4, profile=None, prompt_len=256)
 
 

@@ -20,6 +20,8 @@ from jaxrl.runtime import CompileCounter
 from jaxrl.train import rl
 from jaxrl.train.batch import Sample
 from jaxrl.train.blockwise import BlockwiseUpdater
+from jaxrl.train.grad_stream import GradientStream
+from jaxrl.train.pipeline import TrainWorker
 from jaxrl.train.step import LossSpec
 from jaxrl.train.shrink import freed_instances, milestone_due, peak_pages, plan_shrink, projected_lengths
 from jaxrl.train.stream import StreamTrainer
@@ -102,14 +104,15 @@ def _rel(a, b) -> float:
                  np.sqrt(sum(np.sum(y ** 2) for y in db)))
 
 
-def _floor(cfg, updater, params, ref, samples, g_sync) -> float:
+def _floor(cfg, updater, params, ref, samples, g_sync, devices=None) -> float:
     """The synchronous gradient on the freed devices' sub-mesh (fsdp 4, devices 4-7) against the one on the whole
     mesh (relative, global norm): float32's summation-order floor for the two meshes a streamed step computes on.
     GRAD_RTOL sits at that floor on the CPUs that set it (0.8-1.2e-6 between fsdp 1-8, docs/rollpacker.md); on an
     AMD EPYC (family 25 model 1) it is 0.95-1.12e-6 by aggregation and the streamed gradient 0.90-1.08e-6, so
     a streamed gradient no further from the synchronous one than this floor is as exact as float32 allows."""
-    sub = Layout(fsdp=4)
-    mesh = sub.make_mesh(jax.devices()[4:])
+    devices = jax.devices()[4:] if devices is None else devices
+    sub = Layout(fsdp=len(devices))
+    mesh = sub.make_mesh(devices)
     sh = shardings_for(logical_axes(CFG), mesh, ShardingRules.train(CFG, sub))
     p, r = jax.device_put(params, sh), jax.device_put(ref, sh)
     g, _, _ = _sync(cfg, mesh, updater, p, r, TX.init(p), samples)
@@ -158,6 +161,52 @@ def test_streamed_update_equals_synchronous(mesh, model, agg):
     for key in ("loss", "kl", "entropy"):
         assert m[key] == pytest.approx(m_sync[key], rel=1e-5, abs=1e-7), key
     assert abs(float(m_sync["kl"])) > 0
+    _assert_same_update(new, p_sync, params)
+
+
+def test_freed_devices_join_the_train_pools_stream(model):
+    """StreamRL's disaggregated pools with RollPacker's stream trainer: the train pool (devices 0-3, a mesh of
+    its own) streams from the rollout's start on the train worker's thread; a shrink adds the freed rollout
+    devices 6-7 as a second target, and each micro-batch goes to the target that would finish it first. Both
+    take work; one update with the global denominator == the synchronous update on the train pool, within
+    GRAD_RTOL or float32's floor between the two meshes; nothing compiles after warm()."""
+    params, ref, spec, updater = model
+    cfg = _cfg()
+    pool = Layout(fsdp=4).make_mesh(jax.devices()[:4])
+    sh = shardings_for(logical_axes(CFG), pool, ShardingRules.train(CFG, Layout(fsdp=4)))
+    params, ref = jax.device_put(params, sh), jax.device_put(ref, sh)
+    groups = _groups(np.random.default_rng(3), cfg, 18)       # ~5 per micro-batch: 3 streamed, 2 on the pool
+    samples = [s for g in groups for s in g]
+    opt = TX.init(params)
+    g_sync, p_sync, m_sync = _sync(cfg, pool, updater, params, ref, opt, samples)
+    mb_rows, freed = rl.micro_batch_rows(cfg, pool, PACK_LEN), jax.devices()[6:]
+    worker = TrainWorker()
+    gs = GradientStream(cfg, spec, updater, pool, pack_len=PACK_LEN, mb_rows=mb_rows, executor=worker)
+    st = StreamTrainer(cfg, StreamSection(enabled=True), CFG, spec, updater, pool, pack_len=PACK_LEN,
+                       mb_rows=mb_rows, gs=gs)
+    st.warm(params, opt, ref, devices=freed)
+    p0, o0 = _copy(params), _copy(opt)
+    jax.block_until_ready((p0, o0))
+    counter = CompileCounter()
+    st.begin(p0, ref)
+    gs.target(p0, ref, gs.train_rows)                    # the train pool, from the rollout's start
+    for g in groups[:3]:
+        st.add_group(g)
+    st.repurpose(freed)                                  # the shrink: devices 6-7 join
+    for g in groups[3:]:
+        st.add_group(g)
+    grads, _, denominator = st.combine(p0)
+    rel = _rel(jax.tree.map(lambda g: np.asarray(g, np.float64) / denominator, jax.device_get(grads)), g_sync)
+    new, _, m = worker.submit("update", st.finish, p0, o0).result()
+    worker.close()
+    assert counter.take()["compiles"] == 0
+    assert rel <= GRAD_RTOL or rel <= _floor(cfg, updater, params, ref, samples, g_sync, freed), rel
+    assert [t.devices for t in gs.targets] == [4, 2]
+    on_pool, on_freed = gs.counts(gs.train_rows), gs.counts(gs.targets[1].rows)
+    assert on_pool[0] > 0 and on_freed[0] > 0 and m["stream/groups_early"] == on_freed[0], (on_pool, on_freed)
+    assert gs.groups == len(groups) and m["stream/freed_devices"] == 2
+    for key in ("loss", "kl", "entropy"):
+        assert m[key] == pytest.approx(m_sync[key], rel=1e-5, abs=1e-7), key
     _assert_same_update(new, p_sync, params)
 
 

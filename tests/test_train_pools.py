@@ -70,12 +70,18 @@ def test_disaggregated_equals_colocated(tmp_path):
     weights within float tolerance (the streamed micro-batches pack groups in arrival order). With
     MetroRLHF's blockwise backward on the rollout's K/V, streamed too (each streamed micro-batch's K/V staged
     on the train pool from the generation devices as its groups arrive): the same, within the same tolerance
-    (measured: weights within 1.2e-7 of the colocated full backward's)."""
+    (measured: weights within 1.2e-7 of the colocated full backward's). With RollPacker's stream trainer too
+    (16 prompts a step, so that micro-batches remain after the shrink: half the generation instances are freed
+    and their devices join the train pool's stream): the synchronous disaggregated run's rollouts, and its
+    losses and weights within the same tolerance."""
     col, dis, kv = tmp_path / "col", tmp_path / "dis", tmp_path / "kv"
+    dis16, st = tmp_path / "dis16", tmp_path / "st"
+    sixteen = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated", "algo.prompts_per_step=16"]
     _train_together((col, "steps=2", "save_every=null", *POOLS),
                     (dis, "steps=2", "save_every=null", *POOLS, "placement=disaggregated"),
                     (kv, "steps=2", "save_every=null", *POOLS, "placement=disaggregated", "trainer.backward=blockwise",
-                     "trainer.block_size=48", "trainer.kv_source=rollout"))
+                     "trainer.block_size=48", "trainer.kv_source=rollout"),
+                    (dis16, *sixteen), (st, *sixteen, "trainer.stream.enabled=true"))
     m1, m2, m3 = _metrics(col), _metrics(dis), _metrics(kv)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2] == [r[key] for r in m3], key
@@ -85,6 +91,14 @@ def test_disaggregated_equals_colocated(tmp_path):
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in m3], [r[key] for r in m1], rtol=1e-5, atol=1e-6, err_msg=key)
     _same_weights(col, dis, kv)
+    m5, m6 = _metrics(dis16), _metrics(st)
+    for key in ROLLOUT_KEYS:
+        assert [r[key] for r in m5] == [r[key] for r in m6], key          # the shrink changed no token
+    assert all(r["stream/shrunk"] == 1 and r["stream/freed_devices"] == 2 and r["stream/groups_early"] > 0 for r in m6)
+    assert all(r["placement/groups_streamed"] > r["stream/groups_early"] for r in m6)   # the train pool took some
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in m6], [r[key] for r in m5], rtol=1e-5, atol=1e-6, err_msg=key)
+    _same_weights(dis16, st)
 
 
 def test_ppo_on_a_separate_train_pool(tmp_path):

@@ -155,12 +155,13 @@ def update(ctx: FlowContext, data: StepData) -> None:
         if cfg.trainer.async_steps and data.step + 1 < cfg.steps:     # the next rollout still runs one step ahead
             rs.prefetched = rs.collect(data.step + 1, score=ctx.rewards_streamed)
         return
-    if tc.stream:          # the groups' gradients were (partly) computed during the rollout
-        pol.params, pol.opt_state, m = tc.stream.finish(pol.params, pol.opt_state)
-        m = jax.device_get(m)
-    elif tc.gstream:       # StreamRL sync: the rest on the train pool, sums combined, one update
-        t = time.perf_counter()
-        pol.params, pol.opt_state, m = tc.worker.submit("update", tc.gstream.apply, pol.params, pol.opt_state).result()
+    if tc.stream or tc.gstream:    # gradients (partly) computed during the rollout: the rest, sums combined, one
+        t = time.perf_counter()    # update (RollPacker's stream trainer, StreamRL's sync pipelining on the train pool)
+        finish = tc.stream.finish if tc.stream else tc.gstream.apply
+        if tc.worker is None:
+            pol.params, pol.opt_state, m = finish(pol.params, pol.opt_state)
+        else:
+            pol.params, pol.opt_state, m = tc.worker.submit("update", finish, pol.params, pol.opt_state).result()
         m, data.train_wait_s = jax.device_get(m), time.perf_counter() - t
     elif cfg.trainer.async_steps:     # StreamRL one-step-async: the next rollout runs while this trains
         fut = tc.worker.submit("update", stage.run, uc, *train_batches(tc, data))

@@ -196,6 +196,10 @@ def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | No
         raise ConfigError("engine.tp", f"{e.tp} does not divide the rollout pool's {gen_gpus} GPUs")
     # the engine's pools come from the cost model's memory budget (`cost.pages`); the planner's check wants one said
     budget = e.kv_memory_fraction if (e.kv_memory_fraction or e.kv_bytes_per_device or e.num_pages) else 0.85
+    if {"stream_trainer", "disaggregated"} <= m and "async_steps" not in m:
+        raise ConfigError("trainer.stream.enabled", "true with disaggregated: the simulator times the stream trainer "
+                          "on colocated pools only (a training run composes them: the freed devices join the train "
+                          f"pool's stream) (simulator row with {'+'.join(sorted(m))})")
     try:
         return TrainConfig(
             model=ModelSection(preset=cfg.model, dtype=cfg.cluster.dtype),

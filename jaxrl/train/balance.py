@@ -19,6 +19,10 @@ weights move, and its step set was compiled at warm-up). At most one scale-up pe
 
 Simplified: T_g/(k+1) assumes generation time scales with the instance count, which the long tail
 bends (the slowest sequence does not get faster); the paper estimates δ' from its performance model.
+
+**Several processes** (each with a generation pool of its own beside the shared train mesh): one decision
+for all. T_g and T_t are the largest over the processes (a step waits for the slowest rollout), so every
+process grows its pool at the same step, by one instance of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import numpy as np
 
 from jaxrl.config.loading import from_yaml_file
 from jaxrl.config.train import TrainConfig
+
+from .distributed import allgather
 
 
 def scaled(seconds: float, devices: int) -> Callable[[int], float]:
@@ -74,6 +80,7 @@ class ScaleUp:
         relayout of `svc` here. `instances`: the pool's size in instances of `tp` devices (default: the
         service's instances; the rollout side's count when the planner may run another TP)."""
         k = len(svc.instances) if instances is None else instances
+        t_gen, t_train = (float(t) for t in allgather([t_gen, t_train], tag="scale_up").max(axis=0))
         due, delta, gain = scale_up_due(t_gen, t_train, k)
         self.since += 1
         room = k < self.section.max_instances and (k + 1) * self.tp <= len(svc.devices)

@@ -14,6 +14,12 @@ denominator D (tokens or sequences of the whole batch) is known only at the end,
 accumulator onto the train mesh (`step.sum_onto`) and `apply` divides by D once. The result is the
 synchronous update up to float32 summation order.
 
+**Several targets** (RollPacker's stream trainer on StreamRL's disaggregated pools): the train pool is the
+first target, from the rollout's start; a shrink adds the freed rollout devices as a second. Each
+micro-batch goes to the target that would finish it first, counted in micro-batches per device
+((dispatched + 1) / devices; ties to the earlier target) — simplified: device counts stand for throughput,
+nothing is measured. Each target has its own accumulator; `combine` adds them in target order.
+
 **Dynamic batches over fixed shapes.** Waiting groups are packed into fixed (mb_rows x pack_len)
 micro-batches, whole groups in arrival order: the longest run of them that packs into one micro-batch goes
 as soon as the next group would not fit (or it fills the micro-batch exactly); a group that alone needs
@@ -33,6 +39,7 @@ the train pool's thread (packing and dispatch off the caller's loop); `combine` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -46,6 +53,23 @@ from .distributed import global_max
 from .step import sum_onto
 
 ROWS = P(("dp", "fsdp"), None)
+
+
+@dataclasses.dataclass
+class Target:
+    """Where streamed gradients run: weights (and the reference) over `rows`, with its own accumulator and
+    counts of the work it took."""
+    params: object
+    ref: object
+    rows: NamedSharding
+    acc: object = None
+    micro_batches: int = 0
+    groups: int = 0
+    samples: int = 0
+
+    @property
+    def devices(self) -> int:
+        return self.rows.mesh.devices.size
 
 
 def _rows(samples: list[Sample], pack_len: int) -> list[list[int]]:
@@ -74,14 +98,15 @@ class GradientStream:
         """A new step (the reference weights on the train mesh when algo.kl_coef > 0)."""
         self._ref = ref_params
         self.updater.reset_counts()
-        self._where = None                     # (params, ref, rows sharding) of the streamed gradients
-        self._acc = self._combined = None
+        self.targets: list[Target] = []        # where streamed gradients run, in the order they were set
+        self._combined = None
         self._held, self._pending = [], []     # groups (lists of samples), oldest first
         self.samples: list[Sample] = []        # every sample of the step
         self.groups = self.groups_early = self.samples_early = self.micro_batches_early = 0
 
     def target(self, params, ref, rows: NamedSharding):
-        """Run the streamed gradients at `params` (and `ref`) over `rows` from now on; held groups start."""
+        """Run streamed gradients at `params` (and `ref`) over `rows` from now on, beside the targets set
+        before this step (see "Several targets"); held groups start."""
         if self.executor is not None:
             self.executor.submit("grad", self._target, params, ref, rows)
         else:
@@ -90,11 +115,21 @@ class GradientStream:
     def _target(self, params, ref, rows):
         if not rows.is_fully_addressable:
             raise ValueError("several processes: streamed gradients run on this process's own devices")
-        self._where = (params, ref, rows)
+        self.targets.append(Target(params, ref, rows))
         self._pending += self._held
         self._held = []
         self._drain()
-        return self._acc            # (the train worker waits for it: its span is the device's busy time)
+        return self._busy()
+
+    def _busy(self):
+        """What a train-worker task waits for (its span is the train pool's busy time): the accumulators on
+        the train mesh; another target's work runs on while the task returns."""
+        return [t.acc for t in self.targets if t.rows.mesh is self.mesh]
+
+    def counts(self, rows: NamedSharding) -> tuple[int, int, int]:
+        """(groups, samples, micro-batches) the target over `rows` took this step ((0, 0, 0): none)."""
+        t = next((t for t in self.targets if t.rows is rows), None)
+        return (t.groups, t.samples, t.micro_batches) if t else (0, 0, 0)
 
     def add(self, samples: list[Sample]):
         """A completed, scored group: its gradient starts as soon as waiting samples fill a micro-batch (held
@@ -107,12 +142,12 @@ class GradientStream:
     def _add(self, samples):
         self.groups += 1
         self.samples += samples
-        if self._where is None:
+        if not self.targets:
             self._held.append(samples)
         else:
             self._pending.append(samples)
             self._drain()
-        return self._acc
+        return self._busy()
 
     def combine(self, params):
         """(grad_sums, stats_sums, D): every sample's gradient (the remaining ones computed now on the train
@@ -128,13 +163,18 @@ class GradientStream:
         for part, kv in self._late_micro_batches(late):
             acc = self._grad(params, self._ref, part, self.train_rows, acc, kv)
         shardings = self.grad_shardings(params)
-        early = self._acc
+        early = [t.acc for t in self.targets if t.acc is not None]
         if jax.process_count() > 1:         # each process's own early sums (maybe none), summed over processes
-            early = self._process_sum(early, params, shardings)
-        parts = [a for a in (acc, early) if a is not None]
-        grads, stats = sum_onto(parts, shardings)
+            early = [self._process_sum(early, params, shardings)]
+        parts = [a for a in [acc, *early] if a is not None]
+        total = sum_onto(parts[:1], shardings)
+        for part in parts[1:]:              # ((late + first) + second) ...: one two-tree add program
+            total = sum_onto([total, part], shardings)
+        grads, stats = total
         _, denominator = rl.batch_weights(self.samples, self.cfg, self.max_new_tokens, fold=False)
-        self._held, self._pending, self._acc = [], [], None
+        self._held, self._pending = [], []
+        for t in self.targets:
+            t.acc = None
         self._combined = (grads, stats, denominator)
         return self._combined
 
@@ -218,13 +258,16 @@ class GradientStream:
                  for part in self._micro_batches(samples, rows, local, n)]
         return list(zip(parts, self._caches(self.stager, samples, rows, n, local)))
 
-    def _process_sum(self, sums, params, shardings):
-        """Σ over processes of each process's own early sums (None: this process streamed nothing, zeros),
-        onto the train mesh as `shardings`. Each process's sums go to its host (the paper offloads gradient
-        sums to the host) and become its slice of a (processes, ...) array on the train mesh's devices,
-        whole on each of the process's devices while they are summed."""
+    def _process_sum(self, sums: list, params, shardings):
+        """Σ over processes of each process's own early sums (a list, one per target; empty: this process
+        streamed nothing, zeros), onto the train mesh as `shardings`. Each process's sums go to its host (the
+        paper offloads gradient sums to the host; several targets are added there, in order) and become its
+        slice of a (processes, ...) array on the train mesh's devices, whole on each of the process's devices
+        while they are summed."""
         abstract = self.abstract_sums(params)
-        host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract) if sums is None else jax.device_get(sums)
+        host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+        if sums:
+            host = functools.reduce(lambda x, y: jax.tree.map(np.add, x, y), jax.device_get(sums))
         sharding = NamedSharding(process_mesh(self.mesh), P("proc"))
         procs = jax.process_count()
         stacked = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
@@ -232,8 +275,8 @@ class GradientStream:
         return _sum_first(stacked, shardings)
 
     def _drain(self):
-        """Start micro-batches from the waiting groups (see the module docstring)."""
-        params, ref, rows_sharding = self._where
+        """Start micro-batches from the waiting groups, each on the target that would finish it first (see
+        the module docstring)."""
         while self._pending:
             k, rows = 0, []
             while k < len(self._pending):
@@ -247,10 +290,14 @@ class GradientStream:
                 k, rows = 1, _rows(self._pending[0], self.pack_len)
             samples = [s for g in self._pending[:k] for s in g]
             parts = self._micro_batches(samples, rows)
-            caches = self._caches(self.stager_for(rows_sharding), samples, rows, len(parts), self.local_rows)
+            t = min(self.targets, key=lambda t: (t.micro_batches + len(parts)) / t.devices)   # (first on ties)
+            caches = self._caches(self.stager_for(t.rows), samples, rows, len(parts), self.local_rows)
             for part, kv in zip(parts, caches):
-                self._acc = self._grad(params, ref, part, rows_sharding, self._acc, kv)
-                self.micro_batches_early += 1
+                t.acc = self._grad(t.params, t.ref, part, t.rows, t.acc, kv)
+            t.micro_batches += len(parts)
+            t.groups += k
+            t.samples += len(samples)
+            self.micro_batches_early += len(parts)
             self.groups_early += k
             self.samples_early += len(samples)
             self._pending = self._pending[k:]
@@ -285,4 +332,4 @@ def warm_sum(gs: GradientStream, params) -> None:
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), sums)
     jax.block_until_ready(sum_onto([zeros, zeros], shardings))
     if jax.process_count() > 1:
-        jax.block_until_ready(gs._process_sum(None, params, shardings))
+        jax.block_until_ready(gs._process_sum([], params, shardings))

@@ -49,14 +49,17 @@ class StartupError(Exception):
 
 
 @contextlib.contextmanager
-def startup_errors(*pools, prefix: str = ""):
+def startup_errors(*pools, prefix: str = "", convert: bool = True):
     """A `ValueError` while the trainer builds (a bad data file, reward, environment, graph) becomes a
-    `StartupError` with `prefix` (the config key): one line, not a traceback; `pools` (reward pools) are closed."""
+    `StartupError` with `prefix` (the config key): one line, not a traceback; `pools` (reward pools) are closed,
+    also when a `StartupError` passes (`convert=False`: only then)."""
     try:
         yield
-    except ValueError as e:
+    except (ValueError, StartupError) as e:
         for pool in pools:
             pool.close()
+        if isinstance(e, StartupError) or not convert:
+            raise
         raise StartupError(prefix + str(e)) from None
 
 

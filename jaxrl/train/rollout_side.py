@@ -46,6 +46,7 @@ from .context import Policy
 from .distributed import allgather, exchange, global_sum
 from .grad_stream import GradientStream
 from .pipeline import Prefetched
+from .preflight import StartupError
 from .rounds import tail_round
 from .skew_step import SkewStep
 from .shrink import kept_instances
@@ -216,16 +217,16 @@ class RolloutSide:
     def begin_streams(self):
         """Start the step's gradient stream, once per step (dynamic sampling's waves add to it): RollPacker's
         stream trainer, or StreamRL's dynamic-batch pipelining on the train pool, both at this step's
-        weights. Returns where scored groups go (None: nothing streams)."""
+        weights; both when disaggregated, the train pool streaming from the start and the devices a shrink
+        frees beside it. Returns where scored groups go (None: nothing streams)."""
         p = self.policy
-        if self.stream:
+        if self.stream:           # (begins its gradient stream: the train pool's one when disaggregated)
             self.stream.begin(p.params, p.ref_params, svc=self.svc)
-            return self.stream.add_group
-        if self.gstream:
+        elif self.gstream:
             self.gstream.begin(p.ref_params)
+        if self.gstream:
             self.gstream.target(p.params, p.ref_params, self.gstream.train_rows)
-            return self.gstream.add
-        return None
+        return self.stream.add_group if self.stream else self.gstream.add if self.gstream else None
 
     def observe(self, step: int, prompts, lens) -> dict:
         """After the step: the length ranker learns its (prompt, response length) pairs; skew/... metrics."""
@@ -266,10 +267,21 @@ class RolloutSide:
         """StreamRL's scale-up (`balance.ScaleUp`, between steps): every rollout from now on starts on
         `instances` instances, and the service moves there now, `weights` into the new one. The rollout side
         owns the generation layout: the planner's TP and PAT's switches spread over the grown pool."""
+        self._set_pool(instances)
+        self.relayout(weights)
+
+    def _set_pool(self, instances: int) -> None:
+        """The instances a rollout starts on from now on (the planner's layouts follow); more than the devices
+        asked for at start (`stage_balance.max_instances`) raise a one-line StartupError."""
+        e = self.cfg.engine
+        most = self.cfg.stage_balance.max_instances or e.instances
+        if instances > most:
+            raise StartupError(f"stage_balance.max_instances={self.cfg.stage_balance.max_instances}: the checkpoint's "
+                               f"rollout runs on {instances} generation instances (scaled up); resume with "
+                               f"stage_balance.max_instances={instances} or more")
         self.instances = instances
         if self.planner:
-            self.planner.resize(instances * self.cfg.engine.tp)
-        self.relayout(weights)
+            self.planner.resize(instances * e.tp)
 
     def sampling_params(self) -> list:
         """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
@@ -294,9 +306,7 @@ class RolloutSide:
 
     def load_state_dict(self, meta: dict) -> None:
         self.loader.load_state_dict(meta["loader"])
-        self.instances = int(meta.get("instances", self.cfg.engine.instances))    # (the resume's sync moves there)
-        if self.planner:
-            self.planner.resize(self.instances * self.cfg.engine.tp)
+        self._set_pool(int(meta.get("instances", self.cfg.engine.instances)))    # (the resume's sync moves there)
         if self.tail:
             self.tail.load_state_dict(meta.get("tail", {"queue": [], "rounds": {"short": 0, "long": 0}}))
         if self.planner and "planner" in meta:

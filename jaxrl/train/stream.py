@@ -81,14 +81,16 @@ class StreamTrainer:
     See the module docstring; `metrics` keys are under `stream/`."""
 
     def __init__(self, cfg, stream: StreamSection, model_cfg, spec, updater: Updater, mesh, *, pack_len: int,
-                 mb_rows: int, stager=None):
+                 mb_rows: int, stager=None, gs: GradientStream | None = None):
+        """`gs`: the gradient stream to add the freed devices to as a target (StreamRL's disaggregated pools:
+        the train pool's, which streams from the rollout's start); default one of its own."""
         check_stream(stream, cfg)
         if cfg.algo.mini_batches != 1:      # also when disabled: `finish` is one update per rollout batch
             raise ConfigError("algo.mini_batches", f"{cfg.algo.mini_batches}: the stream trainer applies one "
                               "update per rollout batch; set 1")
         self.cfg, self.stream, self.model_cfg, self.spec, self.updater = cfg, stream, model_cfg, spec, updater
         self.mesh, self.pack_len, self.mb_rows = mesh, pack_len, mb_rows
-        self.gs = GradientStream(cfg, spec, updater, mesh, pack_len=pack_len, mb_rows=mb_rows, stager=stager)
+        self.gs = gs or GradientStream(cfg, spec, updater, mesh, pack_len=pack_len, mb_rows=mb_rows, stager=stager)
         self.train_rows = self.gs.train_rows
         self.history: collections.deque = collections.deque(maxlen=stream.history)
         self._subs: dict[tuple, _SubMesh] = {}
@@ -104,6 +106,7 @@ class StreamTrainer:
         if self.spec.kl_coef and ref_params is None:
             raise ValueError("algo.kl_coef > 0: begin() needs the reference weights")
         self._reset(params, ref_params)
+        self.gs.begin(ref_params)
         if jax.process_count() > 1 and self.spec.kl_coef and not lora.has_adapters(params) and svc is not None:
             self._place_ref(svc)
 
@@ -127,7 +130,6 @@ class StreamTrainer:
         self._sub = self._sub_params = self._sub_ref = None
         self._own: list = []
         self._freed: tuple[int, ...] = ()
-        self.gs.begin(ref_params)
         self._last = self.checks = self.moved = 0
         self.shrunk_at = self.move_s = 0.0
         self.plan: ShrinkPlan | None = None
@@ -214,16 +216,17 @@ class StreamTrainer:
         params, opt_state, m = self.gs.apply(params, opt_state)
         m = jax.device_get(m)
         gs = self.gs
+        groups, samples, _ = gs.counts(self._sub.rows) if self._sub else (0, 0, 0)     # on the freed devices
         counts = {"stream/shrunk": int(bool(self._freed)), "stream/freed_devices": len(self._sub.devices) if self._sub else 0,
-                  "stream/groups_early": gs.groups_early, "stream/groups_late": gs.groups - gs.groups_early,
-                  "stream/samples_early": gs.samples_early, "stream/checks": self.checks, "stream/moved": self.moved,
+                  "stream/groups_early": groups, "stream/groups_late": gs.groups - gs.groups_early,
+                  "stream/samples_early": samples, "stream/checks": self.checks, "stream/moved": self.moved,
                   "stream/peak_pages": self.plan.peak_pages if self.plan else 0,
                   "stream/budget_pages": self.plan.budget_pages if self.plan else 0}
         summed = global_sum(list(counts.values()))          # every process's pool (one process: its own)
         m.update({k: int(v) for k, v in zip(counts, summed)})
         m.update({"stream/shrunk_at": self.shrunk_at, "stream/move_s": self.move_s})
         _delete(self._own)              # the copies made for this step (not a rollout instance's own weights)
-        self._reset(None, None)
+        self._reset(None, None)         # (the gradient stream's counts stay until the next begin: metrics read them)
         return params, opt_state, m
 
     # ------------------------------------------------------------------ warm-up

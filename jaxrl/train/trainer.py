@@ -109,10 +109,6 @@ class Trainer:
         critic = None        # PPO's value model (algo.advantage=gae); its weights are made when RL starts
         if a.advantage == "gae":
             critic = Critic(model_cfg, cfg.critic, t, mesh, shardings, cfg.steps * a.mini_batches)
-        stream = None        # RollPacker: gradients on rollout devices freed mid-rollout, one update
-        if t.stream.enabled:
-            stream = StreamTrainer(cfg, t.stream, model_cfg, uc.spec, uc.updater, mesh, pack_len=uc.pack_len,
-                                   mb_rows=uc.mb_rows, stager=uc.stager)
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         svc = RolloutService.from_config(cfg.engine, model_cfg, params, devices=gen_devices,
                                          order="lpt" if cfg.rollout.skew.enabled and cfg.rollout.skew.lpt else "fcfs",
@@ -127,6 +123,10 @@ class Trainer:
                                          executor=worker, stager=uc.stager)
             if cfg.stage_balance.scale_up:
                 self.balance = ScaleUp(cfg.stage_balance, cfg.engine.tp)
+        stream = None        # RollPacker: gradients also on rollout devices freed mid-rollout, one update
+        if t.stream.enabled:
+            stream = StreamTrainer(cfg, t.stream, model_cfg, uc.spec, uc.updater, mesh, pack_len=uc.pack_len,
+                                   mb_rows=uc.mb_rows, stager=uc.stager, gs=gstream)
         rs = RolloutSide(cfg, self.tokenizer, self.dataset, svc, policy, rewards,
                          rl.RewardFailureGuard(cfg.rewards.max_failed_steps), stream=stream, gstream=gstream,
                          run_dir=self.run_dir, turns=turns)
@@ -153,7 +153,8 @@ class Trainer:
 
     def _resume(self) -> bool:
         tc = self.train
-        step = run_state.restore(self.ckpt, self.cfg, self.policy, tc.critic, self.rollout, tc.rewards)
+        with startup_errors(self.pool, convert=False):    # (a checkpoint this config cannot resume: one line)
+            step = run_state.restore(self.ckpt, self.cfg, self.policy, tc.critic, self.rollout, tc.rewards)
         if step is None:
             return False
         self.step = step
