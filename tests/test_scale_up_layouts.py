@@ -10,19 +10,16 @@ test)."""
 import contextlib
 import io
 import json
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 from jaxrl.train import balance
 from jaxrl.train.__main__ import main
 from tests.pat_profiles import forcing_profile
-from tests.train_runs import PARAM_ATOL_F32, POOLS, ROLLOUT_KEYS, ROOT, TINY, _command, _env, _metrics, _params, _train
+from tests.train_runs import _command, _metrics, _train
 
 
-def _due(t_gen, t_train, k):
+def _due(t_gen, t_train, k):        # (tests/forced_scale_up.py's, for runs in processes of their own)
     return True, t_gen - t_train, t_gen / (k + 1)
 
 
@@ -83,26 +80,3 @@ def test_planner_lays_out_the_pool_scale_up_grew(tmp_path, monkeypatch):
     assert e.value.code == 2 and "Traceback" not in err.getvalue()
     assert "runs on 2 generation instances (scaled up); resume with stage_balance.max_instances=2" in err.getvalue()
 
-
-@pytest.mark.processes
-def test_scale_up_processes_equal_one(tmp_path, monkeypatch):
-    """Scale-up in 2 processes, each with a generation pool of its own (TP1 x 1 instance, one spare) beside the
-    shared fsdp=4 train mesh: one decision for both (T_g, T_t the largest over the processes; the rule forced
-    due through tests/forced_scale_up.py), so both grow to 2 instances after step 0 and have no room after
-    step 1. The same rollouts and, within float tolerance, the same weights as one process growing its pool
-    of 2 instances to 3 and 4 (tokens do not depend on which instance generates them)."""
-    monkeypatch.setattr(balance, "scale_up_due", _due)
-    one, two = tmp_path / "one", tmp_path / "two"
-    common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated", "stage_balance.scale_up=true"]
-    _train(one, *common, "engine.instances=2", "stage_balance.max_instances=4")
-    cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, str(ROOT / "tests" / "forced_scale_up.py"),
-           f"run_dir={two}", *TINY, *common, "engine.instances=1", "stage_balance.max_instances=2"]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    m1, m2 = _metrics(one), _metrics(two)
-    assert [r["placement/scaled_up"] for r in m1] == [1, 1] and [r["placement/scaled_up"] for r in m2] == [1, 0]
-    assert [r["placement/gen_instances"] for r in m2] == [1, 2]       # (at the sync, before the step's scale-up)
-    for key in ROLLOUT_KEYS:
-        assert [r[key] for r in m1] == [r[key] for r in m2], key
-    for a, b in zip(_params(one), _params(two)):
-        np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl.train import balance
 from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, ROLLOUT_KEYS, ROOT, TINY, WARM_SKEW,
                               _checkpoint_leaves, _env, _metrics, _one_process, _params, _train)
 
@@ -124,30 +125,43 @@ def test_ppo_with_the_blockwise_backward_matches_the_full_one(tmp_path, tmp_path
             np.testing.assert_allclose(row[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 @pytest.mark.processes
-@pytest.mark.parametrize("asynchronous,procs", [(False, 2), (True, 4)], ids=["sync-2", "async-4"])
-def test_disaggregated_processes_equal_one(tmp_path, asynchronous, procs):
+@pytest.mark.parametrize("asynchronous,procs", [(False, 2), (True, 4)], ids=["sync-2-scale_up", "async-4"])
+def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, procs):
     """Each of 2 processes gives 2 devices to the shared fsdp=4 train mesh and 2 to its own generation
     instances (each of 4 processes: 1 and 1); the weights reach the instances by the cross-process on-device
     reshard. Same rollouts and, within float tolerance, the same weights as one process with 4 + 4 devices
-    (which streams its groups' gradients during the rollout; several processes train after it). async:
-    one-step-async on all, the next rollout's agreements between the processes (key-value store) running while
-    the update's device collectives run on the train pool's thread (2 processes: tests/test_lora_mechanisms.py's
+    (which streams its groups' gradients during the rollout; several processes train after it). sync-2: with
+    StreamRL's scale-up, its rule forced due (tests/forced_scale_up.py): each process starts on 1 instance with
+    one spare, and one decision for both (T_g, T_t the largest over the processes) grows both to 2 after
+    step 0; the 1-process run grows 2 -> 3 -> 4 (tokens do not depend on the instance). async: one-step-async
+    on all, the next rollout's agreements between the processes (key-value store) running while the update's
+    device collectives run on the train pool's thread (2 processes: tests/test_lora_mechanisms.py's
     disaggregated async run)."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated",
               f"trainer.async_steps={int(asynchronous)}"]
-    _train(one, *common)
-    cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(procs), sys.executable, "-m", "jaxrl.train",
-           f"run_dir={two}", *TINY, *common, f"engine.instances={4 // procs}"]
+    entry, one_extra, many_extra = ["-m", "jaxrl.train"], [], [f"engine.instances={4 // procs}"]
+    if not asynchronous:
+        monkeypatch.setattr(balance, "scale_up_due", lambda t_gen, t_train, k: (True, t_gen - t_train, t_gen / (k + 1)))
+        entry = [str(ROOT / "tests" / "forced_scale_up.py")]
+        common.append("stage_balance.scale_up=true")
+        one_extra = ["engine.instances=2", "stage_balance.max_instances=4"]
+        many_extra = ["engine.instances=1", "stage_balance.max_instances=2"]
+    _train(one, *common, *one_extra)
+    cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(procs), sys.executable, *entry,
+           f"run_dir={two}", *TINY, *common, *many_extra]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     m1, m2 = _metrics(one), _metrics(two)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
     assert {r["placement/train_devices"] for r in m2} == {4}
-    assert {r["placement/gen_devices"] for r in m2} == {4 // procs}
     if asynchronous:         # step 1 trained on a rollout of the weights one step behind
+        assert {r["placement/gen_devices"] for r in m2} == {1}
         assert [r["placement/staleness"] for r in m2] == [0, 1]
+    else:                    # (gen_instances: at the sync, before the step's scale-up)
+        assert [r["placement/scaled_up"] for r in m1] == [1, 1] and [r["placement/scaled_up"] for r in m2] == [1, 0]
+        assert [r["placement/gen_instances"] for r in m2] == [1, 2]
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
 
