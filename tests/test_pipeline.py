@@ -169,8 +169,6 @@ def test_split_from_a_runs_stage_times(tmp_path):
     (["placement=sideways"], "valid choices"),
     (["placement=disaggregated", "trainer.stream.enabled=true", "engine.instances=2", "trainer.async_steps=1"],
      "update that runs beside it"),
-    (["placement=disaggregated", "trainer.stream.enabled=true", "engine.instances=2", "stage_balance.scale_up=true",
-      "stage_balance.max_instances=4"], "starting pool only"),
     (["placement=disaggregated", "trainer.micro_batch_tokens=null"], "fixed-shape"),
     (["placement=disaggregated", "stage_balance.scale_up=true"], "spare devices"),
     (["placement=disaggregated", "trainer.async_steps=1", "trainer.backward=blockwise", "trainer.kv_source=rollout"],

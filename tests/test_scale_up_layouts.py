@@ -16,7 +16,7 @@ import pytest
 from jaxrl.train import balance
 from jaxrl.train.__main__ import main
 from tests.pat_profiles import forcing_profile
-from tests.train_runs import _command, _metrics, _train
+from tests.train_runs import POOLS, ROLLOUT_KEYS, _command, _metrics, _same_weights, _train
 
 
 def _due(t_gen, t_train, k):        # (tests/forced_scale_up.py's, for runs in processes of their own)
@@ -80,3 +80,26 @@ def test_planner_lays_out_the_pool_scale_up_grew(tmp_path, monkeypatch):
     assert e.value.code == 2 and "Traceback" not in err.getvalue()
     assert "runs on 2 generation instances (scaled up); resume with stage_balance.max_instances=2" in err.getvalue()
 
+
+
+def test_stream_trainer_frees_half_of_the_pool_scale_up_grew(tmp_path, monkeypatch):
+    """Disaggregated, TP1 x 2 instances with two spares (max_instances=4), RollPacker's stream trainer on: the
+    pool grows 2 -> 3 -> 4 and a shrink frees half of the pool it runs on: 1 device of 2 instances at step 0,
+    none of 3 (no half of whole instances), 2 of 4 at step 2 (milestones from 10%: at this size most
+    responses end together, past 50%); nothing compiles after step 0 (the warm-up compiled the freed
+    devices' executables for each grown pool, and a grown pool's instances keep the configured batch: the
+    step shapes the warm-up compiled on the largest pool). The same rollouts and, within float tolerance,
+    the same weights as the run without the stream trainer."""
+    monkeypatch.setattr(balance, "scale_up_due", _due)
+    sync, st = tmp_path / "sync", tmp_path / "st"
+    common = ["steps=3", "save_every=null", *POOLS, "placement=disaggregated", "engine.instances=2",
+              "stage_balance.scale_up=true", "stage_balance.max_instances=4", "algo.prompts_per_step=16"]
+    _train(sync, *common)
+    _train(st, *common, "trainer.stream.enabled=true", "trainer.warmup=true", "trainer.stream.start=0.1")
+    m1, m2 = _metrics(sync), _metrics(st)
+    assert [r["placement/scaled_up"] for r in m2] == [1, 1, 0] and [r["placement/gen_instances"] for r in m2] == [2, 3, 4]
+    assert [r["stream/freed_devices"] for r in m2] == [1, 0, 2] and m2[2]["stream/groups_early"] > 0
+    assert [r["compiles"] for r in m2][1:] == [0, 0]
+    for key in ROLLOUT_KEYS:
+        assert [r[key] for r in m1] == [r[key] for r in m2], key
+    _same_weights(sync, st)

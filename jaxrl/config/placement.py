@@ -53,10 +53,6 @@ def check_placement(cfg) -> None:
         raise ConfigError("trainer.stream.enabled", "true with trainer.async_steps=1: the stream trainer takes "
                           "gradients at the weights of the rollout it frees devices from, and a one-step-async "
                           "rollout is trained at the weights after the update that runs beside it")
-    if t.stream.enabled and sb.scale_up:
-        raise ConfigError("trainer.stream.enabled", "true with stage_balance.scale_up: a scale-up changes which "
-                          "instances a shrink frees, and their gradient executables are compiled for the "
-                          "starting pool only")
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: gradients stream over fixed-shape "
                           "micro-batches; set a token budget")

@@ -341,7 +341,8 @@ class RolloutService:
                  classes=None) -> migration.RelayoutReport:
         """Switch the instances to a new layout mid-generation: pause, move every live sequence and its KV,
         reshard the weights layer by layer from the rollout copy, and resume (see `migration.relayout`).
-        `max_batch` per new instance defaults to keeping the total (old total / new count). `weights`: take
+        `max_batch` per new instance defaults to keeping the batch per device (old total / new count on the
+        same devices; a layout over more devices, StreamRL's scale-up, holds proportionally more). `weights`: take
         the new instances' weights from these (this process's arrays) instead: a weight sync and a layout
         change in one reshard (RollPacker's planner between steps). `classes` (`skew.Classes` on the new
         instances): StreamRL's long/regular classes, each dealt over its own instances (PAT keeps them)."""
@@ -350,8 +351,10 @@ class RolloutService:
         self.pause()
         t0 = time.perf_counter()
         groups = plan_layout(tp, instances, self.devices)
-        if max_batch is None:       # (the batch the instances were sized for, before a cap)
-            max_batch = max(1, sum(getattr(i, "pool_batch", i.max_batch) for i in self.instances) // len(groups))
+        if max_batch is None:       # (the batch the instances were sized for, before a cap, per device they use)
+            total = sum(getattr(i, "pool_batch", i.max_batch) for i in self.instances)
+            used, new_used = sum(i.tp for i in self.instances), sum(len(g) for g in groups)
+            max_batch = max(1, total * new_used // (used * len(groups)))
         new, report = migration.relayout(self, groups, kv=kv, max_batch=max_batch, num_pages=num_pages, probe=probe,
                                          weights=weights, classes=classes)
         self.instances = new

@@ -242,25 +242,53 @@ class StreamTrainer:
                           own_logp=needs_policy_logprobs(self.cfg))
         source = params
         if devices is None and svc is not None:
-            freed = freed_instances(svc.layout)
-            if freed is not None:      # (the copy a shrink makes: from the first freed instance's weights)
-                devices = [d for k in freed for d in svc.instances[k].mesh.devices.flat]
-                source = fit_vocab(svc.instances[freed[0]].weights, vocab_rows(params))
+            devices, source = self._freed_by(svc, len(svc.instances), params)
         if devices is not None:
-            sub = self._sub_for(devices, vocab_rows(params))
-            placed = reshard(source, sub.params)[0]            # the weight copy's programs, run once
-            p = _abstract(placed)
-            _delete([x for x in jax.tree.leaves(placed) if not any(x is y for y in jax.tree.leaves(source))])
-            smb = self.gs.abstract_mb(sub.rows)
-            if self.spec.kl_coef:
-                self.updater.cache.compile("logp", self.updater.logp, lora.base(p),    # (LoRA: the base)
-                                           {k: smb[k] for k in FIELDS})
-            stager = self.gs.stager_for(sub.rows)      # kv_source=rollout: the staging writes and gather there
-            if stager is not None:
-                stager.warm(*export_pages(self.cfg), self.gs.local_rows, self.gs.row_len)
-            self.updater.warm_accumulate(p, smb, **self.gs.abstract_kv(sub.rows))
+            self._warm_freed(params, devices, source)
         warm_sum(self.gs, params)                 # the final sum's add program
         return self.updater.cache.compiles - before
+
+    def warm_grown(self, params, svc, counts) -> int:
+        """StreamRL's scale-up: what a shrink of each grown pool of `counts` instances runs (`svc` laid out on
+        at least the largest; instances keep their devices as the pool grows). A pool with no half to free,
+        or whose freed devices cannot hold the micro-batch, is skipped: it never shrinks (`on_progress`).
+        Returns new compilations in the updater's cache."""
+        before = self.updater.cache.compiles
+        for k in counts:
+            devices, source = self._freed_by(svc, k, params)
+            if devices is None:
+                continue
+            try:
+                self._sub_for(devices, vocab_rows(params))
+            except ValueError:
+                continue
+            self._warm_freed(params, devices, source)
+        return self.updater.cache.compiles - before
+
+    def _freed_by(self, svc, instances: int, params):
+        """(devices, weights to copy) a shrink of `svc`'s first `instances` instances frees and copies from (a
+        freed instance's rollout weights), or (None, None) when no half can be freed."""
+        freed = freed_instances([i.tp for i in svc.instances[:instances]])
+        if freed is None:
+            return None, None
+        devices = [d for k in freed for d in svc.instances[k].mesh.devices.flat]
+        return devices, fit_vocab(svc.instances[freed[0]].weights, vocab_rows(params))
+
+    def _warm_freed(self, params, devices, source):
+        """The freed `devices`' executables: the weight copy from `source` (run once), the reference log-probs,
+        the K/V staging (kv_source=rollout) and the gradient step with and without an accumulator."""
+        sub = self._sub_for(devices, vocab_rows(params))
+        placed = reshard(source, sub.params)[0]            # the weight copy's programs, run once
+        p = _abstract(placed)
+        _delete([x for x in jax.tree.leaves(placed) if not any(x is y for y in jax.tree.leaves(source))])
+        smb = self.gs.abstract_mb(sub.rows)
+        if self.spec.kl_coef:
+            self.updater.cache.compile("logp", self.updater.logp, lora.base(p),    # (LoRA: the base)
+                                       {k: smb[k] for k in FIELDS})
+        stager = self.gs.stager_for(sub.rows)      # kv_source=rollout: the staging writes and gather there
+        if stager is not None:
+            stager.warm(*export_pages(self.cfg), self.gs.local_rows, self.gs.row_len)
+        self.updater.warm_accumulate(p, smb, **self.gs.abstract_kv(sub.rows))
 
     # ------------------------------------------------------------------ internals
     def _check_begun(self):

@@ -65,6 +65,8 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
             configured, ctl.devices = ctl.devices, cfg.engine.tp * cfg.stage_balance.max_instances
             n += svc.adaptive.warm_layouts(svc, sampling)
             ctl.devices = configured
+        if rs.stream and uc.updater is not None:     # the devices a shrink frees on each grown pool
+            n += rs.stream.warm_grown(pol.params, svc, range(k + 1, cfg.stage_balance.max_instances + 1))
         svc.relayout(cfg.engine.tp, k, weights=pol.params)
     if rs.skew:              # the length ranker's train step and forward
         rs.skew.ranker.warm()
