@@ -31,6 +31,11 @@ Simplified versus the paper (and why):
 * The service's router does not know about the shrink: a loop that adds requests mid-step must route
   them to `rollout_instances(svc)`.
 
+**On StreamRL's disaggregated pools** (one process): the stream trainer adds its freed devices to the train
+pool's gradient stream (`gs=`, fed from the rollout's start on the train worker's thread) as a second target;
+`finish` runs on that thread. With `stage_balance.scale_up` a shrink frees half of the pool the rollout runs
+on, and `warm_grown` compiles the freed devices' executables for each pool size.
+
 **Several processes (DistFlow's multi-controller).** Each process's pool is its own instances: it checks
 its own milestones on its own requests and frees the trailing half of its own instances, at its own time;
 its streamed micro-batches hold its own samples, on its own freed devices, so nothing crosses processes
