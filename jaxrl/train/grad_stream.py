@@ -102,7 +102,7 @@ class GradientStream:
         self._combined = None
         self._held, self._pending = [], []     # groups (lists of samples), oldest first
         self.samples: list[Sample] = []        # every sample of the step
-        self.groups = self.groups_early = self.samples_early = self.micro_batches_early = 0
+        self.groups = 0                        # groups added this step (early ones: `groups_early`)
 
     def target(self, params, ref, rows: NamedSharding):
         """Run streamed gradients at `params` (and `ref`) over `rows` from now on, beside the targets set
@@ -125,6 +125,19 @@ class GradientStream:
         """What a train-worker task waits for (its span is the train pool's busy time): the accumulators on
         the train mesh; another target's work runs on while the task returns."""
         return [t.acc for t in self.targets if t.rows.mesh is self.mesh]
+
+    @property
+    def groups_early(self) -> int:
+        """Groups whose gradients ran as they arrived (every target's)."""
+        return sum(t.groups for t in self.targets)
+
+    @property
+    def samples_early(self) -> int:
+        return sum(t.samples for t in self.targets)
+
+    @property
+    def micro_batches_early(self) -> int:
+        return sum(t.micro_batches for t in self.targets)
 
     def counts(self, rows: NamedSharding) -> tuple[int, int, int]:
         """(groups, samples, micro-batches) the target over `rows` took this step ((0, 0, 0): none)."""
@@ -297,9 +310,6 @@ class GradientStream:
             t.micro_batches += len(parts)
             t.groups += k
             t.samples += len(samples)
-            self.micro_batches_early += len(parts)
-            self.groups_early += k
-            self.samples_early += len(samples)
             self._pending = self._pending[k:]
 
 
