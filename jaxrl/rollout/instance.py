@@ -52,6 +52,18 @@ class Completion:
     preemptions: int = 0
     kv: SequenceKV | None = None          # return_kv: K/V on the instance's devices (`.numpy()` for host copies)
     appended: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # observation spans of `tokens`
+    versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (first token index, weights version)
+
+    def token_versions(self) -> list[int]:
+        """The weights version that sampled each of `tokens` (`RolloutService.swap_weights`: a sequence may
+        span several); an appended (observation) token carries the version current when it was appended."""
+        spans = self.versions or [(0, 0)]
+        out, k = [], 0
+        for i in range(len(self.tokens)):
+            while k + 1 < len(spans) and spans[k + 1][0] <= i:
+                k += 1
+            out.append(spans[k][1])
+        return out
 
     def sampled_mask(self) -> list[int]:
         """1 for each token of `tokens` the model sampled, 0 for an appended (observation) one."""

@@ -254,6 +254,23 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
+    def drop_kv(self) -> int:
+        """Drop every live sequence's K/V (a weight update with kv="recompute"): running sequences go back to
+        the front of the queue in their order and each re-prefills prompt + tokens, so its K/V is the new
+        weights'; paused ones recompute on resume. None may have a token in flight. Returns the positions
+        dropped (what the re-prefills will compute again)."""
+        if any(s.pending for s in self.running):
+            raise RuntimeError("drop_kv with a step in flight; pause (drain) first")
+        dropped = 0
+        for s in itertools.chain(self.running, self.waiting, self.paused):
+            if s.pages:
+                self.pool.free(s.pages)
+                dropped += s.computed
+                s.pages, s.computed, s.group = [], 0, None
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        return dropped
+
     @staticmethod
     def next_len(s: Sequence) -> int:
         """Tokens of `s` once its in-flight token lands (the next step feeds position this - 1)."""

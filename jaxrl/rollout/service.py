@@ -10,6 +10,7 @@
     svc.relayout(tp=8, instances=1, kv="migrate") # move every live sequence and its KV, reshard the weights
     svc.add(prompt, params, instance=i)           # route to a chosen instance (default: the router)
     svc.update_weights(new_weights)               # layer-wise reshard from any layout
+    svc.swap_weights(new_weights, version=3)      # mid-generation: live sequences continue on them (versions per token)
     svc.add_tokens(rid, observation)              # multi-turn: continue a sequence paused at a turn stop
 
 Each instance runs a bounded set of step shapes (`shapes.ShapeBuckets`: decode rows in
@@ -51,6 +52,7 @@ from .tp_switch import AdaptiveTP
 ROUTERS = ("least_loaded", "round_robin")
 ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (interpret mode on the CPU)
 KV_MODES = ("migrate", "recompute")
+SWAP_KV = ("keep", "recompute")        # a mid-generation weight update: the K/V so far kept, or recomputed
 
 
 class RolloutService:
@@ -99,6 +101,8 @@ class RolloutService:
         self._rr = itertools.count()
         self._where: dict[int, Instance] = {}
         self._ready: list[Completion] = []
+        self.version = 0            # the weights version the instances hold; each token records the one that sampled it
+        self._versions: dict[int, list[tuple[int, int]]] = {}     # live rid -> [(first token index, version)]
         self.adaptive = None        # PAT (`tp_switch.AdaptiveTP`): may switch the layout after any step
         self.observers: list[Callable[[float, float], None]] = []   # (start, end) of each step (timelines)
         self.clock: Callable[[], float] = time.perf_counter         # what `observers` are given (a simulator's: virtual)
@@ -200,6 +204,7 @@ class RolloutService:
         inst.add(seqs)
         for s in seqs:
             self._where[s.rid] = inst
+            self._versions[s.rid] = [(0, self.version)]
         return [s.rid for s in seqs]
 
     def warm(self, params: Seq[SamplingParams] = (SamplingParams(),)) -> int:
@@ -236,8 +241,16 @@ class RolloutService:
         s = inst.abort(rid) if inst else None
         if s is None:
             return None
-        return Completion(s.rid, s.prompt, s.out, s.logprobs, "abort", inst.index, s.preemptions,
-                          appended=s.appended)
+        return self._stamp(Completion(s.rid, s.prompt, s.out, s.logprobs, "abort", inst.index, s.preemptions,
+                                      appended=s.appended))
+
+    def _stamp(self, c: Completion) -> Completion:
+        """`c.versions` from the request's record (kept while it is paused at a turn stop)."""
+        spans = self._versions.get(c.request_id, [])
+        c.versions = [span for span in spans if span[0] < len(c.tokens)] or spans[:1]
+        if c.finish_reason != "turn":
+            self._versions.pop(c.request_id, None)
+        return c
 
     # ------------------------------------------------------------------ multi-turn
     def add_tokens(self, rid: int, tokens: Seq[int]) -> None:
@@ -263,7 +276,7 @@ class RolloutService:
             raise KeyError(f"request {rid} is not live (finished, aborted or never added)")
         c = inst.finish(rid)
         del self._where[rid]
-        return c
+        return self._stamp(c)
 
     def has_work(self) -> bool:
         return bool(self._ready) or any(i.has_work() for i in self.instances)
@@ -278,6 +291,7 @@ class RolloutService:
         for c in done:
             if c.finish_reason != "turn":             # (a paused sequence stays where it is)
                 self._where.pop(c.request_id, None)
+            self._stamp(c)
         if self.adaptive is not None:
             self.adaptive.after_step(self)
         for f in self.observers:
@@ -364,8 +378,34 @@ class RolloutService:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def update_weights(self, weights: Weights, *, adapters_only: bool = False) -> list:
-        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports.
+    def swap_weights(self, weights: Weights, version: int, *, kv: str = "keep", adapters_only: bool = False) -> dict:
+        """A weight update in the middle of generation (partial rollouts across weight versions): every
+        in-flight step is drained, then each live sequence continues with `weights` from its next token on,
+        and those tokens record `version` (`Completion.versions`). kv="keep": the K/V of the positions so far
+        stay, computed by the older weights (AReaL's interruptible generation: no recomputation, the new
+        weights attend over old K/V); kv="recompute": they are dropped and every sequence re-prefills prompt +
+        tokens with the new weights, so its continuation is exactly what the new weights generate from that
+        prefix. Returns {"sequences": live sequences, "recomputed": positions to prefill again}."""
+        if kv not in SWAP_KV:
+            raise ValueError(f"kv={kv!r}; valid choices: {', '.join(SWAP_KV)}")
+        self.pause()
+        live = 0
+        for inst in self.instances:
+            for s in inst.sched.live:
+                spans = self._versions.setdefault(s.rid, [(0, self.version)])
+                if spans[-1][0] == len(s.out):
+                    spans[-1] = (len(s.out), int(version))
+                else:
+                    spans.append((len(s.out), int(version)))
+                live += 1
+        self.update_weights(weights, adapters_only=adapters_only, version=version)
+        recomputed = sum(inst.sched.drop_kv() for inst in self.instances) if kv == "recompute" else 0
+        return {"sequences": live, "recomputed": recomputed}
+
+    def update_weights(self, weights: Weights, *, adapters_only: bool = False, version: int | None = None) -> list:
+        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports. `version`:
+        the weights' version, recorded by every token sampled from now on (between rollouts; in the middle of
+        one, `swap_weights` also says how the live sequences continue).
         `adapters_only` (LoRA, `models.lora`): the caller vouches that the frozen base of `weights` is the one
         the instances hold (an RL update never changes it; a warm start or a resume does), so only the adapters
         move; an instance whose base arrays were the trainer's own, donated by its update, gets the whole tree
@@ -386,6 +426,8 @@ class RolloutService:
             inst.external = migration.buffers(inst.weights) & given
             reports.append(r)
         self.synced_bytes += sum(r.bytes_moved for r in reports)
+        if version is not None:
+            self.version = int(version)
         return reports
 
     # ------------------------------------------------------------------ stats
