@@ -8,6 +8,7 @@ in its config and the trainer (orchestration, `jaxrl/train`) stays free of the m
     adv = algos.compute_advantages("grpo", rewards=r.reshape(P, G), mask=mask)
     pg, metrics = algos.policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28)
     loss = pg + beta * algos.kl_loss(logp, ref_logp, mask, kind="k3")
+    loss, m = algos.decoupled_policy_loss(logp, prox_logp, behav_logp, adv, mask, is_cap=2.0)   # off-policy
     w, which = algos.token_weights("token-mean", lengths, max_new_tokens)   # Σ w·ℓ / D == aggregate(ℓ)
 
 String arguments (`agg`, `kind`, estimator names) and `None`-able switches (`clip_high`,
@@ -22,10 +23,13 @@ from .aggregation import (AGGREGATIONS, Aggregation, aggregate, folded_token_wei
 from .kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from .losses import entropy_bonus, kl_loss, policy_loss, ppo_clip_token_loss, value_loss, value_token_loss
 from .masked import broadcast_sequence, last_token_mask, masked_mean, masked_sum, masked_var, masked_whiten
+from .offpolicy import (IS_MODES, decoupled_policy_loss, gspo_policy_loss, gspo_token_ratio, importance_weights,
+                        sequence_log_ratio, staleness_mask)
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "Aggregation", "KL_ESTIMATORS",
-    "aggregate", "broadcast_sequence", "compute_advantages", "dr_grpo_advantages", "entropy_bonus",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "Aggregation", "IS_MODES", "KL_ESTIMATORS",
+    "aggregate", "decoupled_policy_loss", "gspo_policy_loss", "gspo_token_ratio", "importance_weights",
+    "sequence_log_ratio", "staleness_mask", "broadcast_sequence", "compute_advantages", "dr_grpo_advantages", "entropy_bonus",
     "folded_token_weights", "gae_advantages", "grpo_advantages", "kl_loss", "kl_penalty", "last_token_mask",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "outcome_token_rewards", "policy_loss",
     "ppo_clip_token_loss", "register_advantage", "register_aggregation", "register_kl_estimator",

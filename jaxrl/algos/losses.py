@@ -10,8 +10,8 @@ step: gradients are stopped through them here so a caller cannot differentiate t
 Losses are to be minimised. Every scalar goes through one aggregation mode from `AGGREGATIONS`
 (see `aggregation.py`); metrics are plain token means over valid tokens, whatever the mode.
 
-Left out on purpose: sequence-level ratios (GSPO), truncated importance sampling for a
-sampler/trainer mismatch, and a log-ratio clamp; add them as new functions when a recipe needs them.
+Off-policy corrections (decoupled PPO, truncated importance sampling, GSPO's sequence-level ratio, a staleness
+mask) are in `offpolicy.py`. Left out on purpose: a log-ratio clamp.
 """
 
 from __future__ import annotations
