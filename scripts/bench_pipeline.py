@@ -12,7 +12,7 @@ weight sync a span of the generation pool.
   * colocated      — 8 instances and an fsdp=8 train mesh on the same 8 devices: rollout, then update;
   * disaggregated  — 4 generation instances on devices 4-7, the fsdp=4 train mesh on devices 0-3;
                      groups' gradients stream to the train pool during the rollout, one update after;
-  * async          — disaggregated with trainer.async_steps=1: step n's update overlaps step n+1's rollout.
+  * async          — disaggregated with trainer.max_staleness=1: step n's update overlaps step n+1's rollout.
 Reported per mode: wall seconds per step, each pool's busy fraction (busy seconds / wall seconds of
 the measured steps, the pool's devices counted once), the train pool's idle wait at the end of each
 rollout, staleness. The 8 fake devices share 2 CPU cores, so the pools cannot run in parallel in wall
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "colocated": ["engine.instances=8", "train_layout.fsdp=8"],
     "disaggregated": ["engine.instances=4", "train_layout.fsdp=4", "placement=disaggregated"],
-    "async": ["engine.instances=4", "train_layout.fsdp=4", "placement=disaggregated", "trainer.async_steps=1"],
+    "async": ["engine.instances=4", "train_layout.fsdp=4", "placement=disaggregated", "trainer.max_staleness=1"],
 }
 DEVICES = {"colocated": {"gen": list(range(8)), "train": list(range(8))},
            "disaggregated": {"gen": [4, 5, 6, 7], "train": [0, 1, 2, 3]},

@@ -47,7 +47,7 @@ def test_each_mechanism_loads_alone_and_a_contradiction_is_refused():
         assert check(name) is None, (name, check(name))
     # both decide which weights a gradient is taken at: the rollout's (stream trainer), the next ones (async)
     key, reason = check("stream_trainer", "async")
-    assert key == "trainer.stream.enabled" and "beside it" in reason
+    assert key == "trainer.stream.enabled" and "weights of later updates" in reason
     assert check("stream_trainer", "disaggregated") is None     # the freed devices join the train pool's stream
     assert overrides("async", "disaggregated").count("placement=disaggregated") == 1
 
@@ -61,7 +61,7 @@ def test_recipes_are_written_from_the_declarations(name):
           "skew": cfg.rollout.skew.enabled, "planner": cfg.engine.planner.enabled,
           "blockwise": cfg.trainer.backward == "blockwise", "repartition": cfg.trainer.repartition == "tokens"}
     assert all(on.values()), on
-    assert (cfg.distributed.num_processes, cfg.trainer.async_steps) == ((2, 0) if name == "all_mechanisms" else (None, 1))
+    assert (cfg.distributed.num_processes, cfg.trainer.max_staleness) == ((2, 0) if name == "all_mechanisms" else (None, 1))
 
 
 def test_every_accepted_pair_was_run(table):

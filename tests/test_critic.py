@@ -213,12 +213,12 @@ def test_ppo_runs_disaggregated_and_async_but_kl_in_reward_not_async():
     sampling policy's, which one-step-async no longer holds: refused there, naming the key."""
     ppo = {"algo": {"advantage": "gae", "group_size": 1}, "placement": "disaggregated"}
     decode(TrainConfig, ppo)
-    decode(TrainConfig, {**ppo, "trainer": {"async_steps": 1}})
+    decode(TrainConfig, {**ppo, "trainer": {"max_staleness": 1}})
     decode(TrainConfig, {**ppo, "algo": {**ppo["algo"], "kl_in_reward": True, "kl_coef": 0.1}})
     with pytest.raises(ConfigError) as e:
         decode(TrainConfig, {**ppo, "algo": {**ppo["algo"], "kl_in_reward": True, "kl_coef": 0.1},
-                             "trainer": {"async_steps": 1}})
-    assert e.value.key == "trainer.async_steps" and "kl_in_reward" in e.value.message
+                             "trainer": {"max_staleness": 1}})
+    assert e.value.key == "trainer.max_staleness" and "kl_in_reward" in e.value.message
 
 
 def test_reinforce_pp_kl_in_reward_enters_the_token_rewards():

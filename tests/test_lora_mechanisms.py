@@ -126,7 +126,7 @@ def test_lora_two_processes_disaggregated_async_equal_one(tmp_path):
     """LoRA on StreamRL's disaggregated pools, one-step-async, over 2 processes (DistFlow's multi-controller):
     the same rollouts as one process and, within float32 tolerance, the same weights; both export the adapter."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["steps=2", "save_every=null", *LORA_RUN, "placement=disaggregated", "trainer.async_steps=1"]
+    common = ["steps=2", "save_every=null", *LORA_RUN, "placement=disaggregated", "trainer.max_staleness=1"]
     _train(one, *common)
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
            *TINY, *common, "engine.instances=2"]

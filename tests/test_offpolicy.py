@@ -98,6 +98,23 @@ def test_gspo_token_equals_sequence_level():
     np.testing.assert_allclose(jax.grad(token_form)(logp), jax.grad(seq_form)(logp), rtol=1e-5, atol=1e-7)
 
 
+def test_packed_sequence_ratio_equals_per_sequence():
+    """Three sequences packed into two rows (segment ids 1, 2 | 1, then padding) give each token its sequence's
+    s_i, as `sequence_log_ratio` of each sequence alone."""
+    rng = np.random.default_rng(2)
+    seqs = [(rng.normal(size=n), rng.normal(size=n), rng.random(n) > 0.2) for n in (4, 3, 5)]
+    logp, old = np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32)
+    seg, mask = np.zeros((2, 8), np.int32), np.zeros((2, 8), np.float32)
+    for (r, off, sid), (lp, o, m) in zip([(0, 0, 1), (0, 4, 2), (1, 0, 1)], seqs):
+        n = len(lp)
+        logp[r, off:off + n], old[r, off:off + n], seg[r, off:off + n], mask[r, off:off + n] = lp, o, sid, m
+    got = np.asarray(offpolicy.packed_sequence_ratio(logp, old, seg, mask))
+    for (r, off, _), (lp, o, m) in zip([(0, 0, 1), (0, 4, 2), (1, 0, 1)], seqs):
+        want = np.exp(offpolicy.sequence_log_ratio(lp[None], o[None], m[None]))[0]
+        np.testing.assert_allclose(got[r, off:off + len(lp)], want, rtol=1e-6)
+    assert got[1, 5:].tolist() == [1.0] * 3                      # padding
+
+
 def test_staleness_mask():
     versions = jnp.array([[3, 3, 4], [1, 2, 4]])
     np.testing.assert_array_equal(offpolicy.staleness_mask(versions, 4, 2), [[1, 1, 1], [0, 1, 1]])

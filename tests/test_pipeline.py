@@ -52,13 +52,15 @@ def test_train_worker_runs_in_order_and_records_spans():
 
 
 def test_staleness_is_checked():
-    assert check_staleness(3, [3, 3]) == 0 and check_staleness(3, [2]) == 1
-    with pytest.raises(RuntimeError, match="staleness 2"):
-        check_staleness(3, [1])
+    assert check_staleness(3, [3, 3], 1) == 0 and check_staleness(3, [2], 1) == 1 and check_staleness(3, [1], 2) == 2
+    with pytest.raises(RuntimeError, match="staleness 2 .must be 0..1"):
+        check_staleness(3, [1], 1)
+    with pytest.raises(RuntimeError, match="staleness -1"):
+        check_staleness(3, [4], 2)          # a sample from the future
 
 
 def test_prefetched_round_trips():
-    c = Completion(5, [1, 2], [3, 4, 5], [-0.5, -1.0, -2.0], "stop", 1, 0)
+    c = Completion(5, [1, 2], [3, 4, 5], [-0.5, -1.0, -2.0], "stop", 1, 0, versions=[(0, 2), (2, 3)])
     p = Prefetched(4, 3, [{"index": 7, "prompt": "x", "answer": "y", "task": "copy"}], [c],
                    np.asarray([0.25], np.float32), {"items": 1, "rollout_s": 0.5, "accepted": [0]})
     q = Prefetched.from_state(p.state_dict())
@@ -164,14 +166,14 @@ def test_split_from_a_runs_stage_times(tmp_path):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["trainer.async_steps=1"], "needs placement=disaggregated"),
-    (["trainer.async_steps=2", "placement=disaggregated"], "0 .synchronous. or 1"),
+    (["trainer.max_staleness=1"], "needs placement=disaggregated"),
+    (["trainer.max_staleness=-1", "placement=disaggregated"], "must be >= 0"),
     (["placement=sideways"], "valid choices"),
-    (["placement=disaggregated", "trainer.stream.enabled=true", "engine.instances=2", "trainer.async_steps=1"],
-     "update that runs beside it"),
+    (["placement=disaggregated", "trainer.stream.enabled=true", "engine.instances=2", "trainer.max_staleness=1"],
+     "trained at the weights of later updates"),
     (["placement=disaggregated", "trainer.micro_batch_tokens=null"], "fixed-shape"),
     (["placement=disaggregated", "stage_balance.scale_up=true"], "spare devices"),
-    (["placement=disaggregated", "trainer.async_steps=1", "trainer.backward=blockwise", "trainer.kv_source=rollout"],
+    (["placement=disaggregated", "trainer.max_staleness=1", "trainer.backward=blockwise", "trainer.kv_source=rollout"],
      "another policy's"),
     (["stage_balance.scale_up=true", "stage_balance.max_instances=2"], "needs placement=disaggregated"),
 ])

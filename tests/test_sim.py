@@ -210,7 +210,7 @@ def test_rows_and_their_train_configs():
         train_config(cfg, ("disaggregated", "stream_trainer"), gen_gpus=4, profile=None, prompt_len=256)
     tc = train_config(cfg, ("skew", "pat"), gen_gpus=8, profile="p.json", prompt_len=256)    # composes now
     assert tc.rollout.skew.enabled and tc.engine.adaptive_tp.enabled
-    with pytest.raises(ConfigError, match="trainer.stream.enabled.*async_steps=1"):
+    with pytest.raises(ConfigError, match="trainer.stream.enabled.*max_staleness=1"):
         train_config(cfg, ("async_steps", "stream_trainer"), gen_gpus=4, profile=None, prompt_len=256)
 
 

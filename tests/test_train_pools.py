@@ -110,7 +110,7 @@ def test_ppo_on_a_separate_train_pool(tmp_path):
     ppo = [*PPO, "save_every=null", *POOLS, "critic.optim.eps=1e-3"]
     no_kl = [x for x in ppo if not x.startswith("algo.kl_in_reward")] + ["algo.kl_in_reward=false"]
     _train_together((col, *ppo), (dis, *ppo, "placement=disaggregated"),
-                    (asy, *no_kl, "placement=disaggregated", "trainer.async_steps=1"))
+                    (asy, *no_kl, "placement=disaggregated", "trainer.max_staleness=1"))
     m1, m2, m3 = _metrics(col), _metrics(dis), _metrics(asy)
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
@@ -139,10 +139,10 @@ def test_one_step_async_with_zero_lr_reproduces_synchronous_rollouts(tmp_path):
     prof.save(tmp_path / "prof.json")
     common = ["steps=3", "save_every=null", "export_hf=false", "optim.lr=0", *POOLS, "placement=disaggregated", *TAIL]
     _train_together((sync, *common),
-                    (pat, *common, "trainer.async_steps=1", "engine.adaptive_tp.enabled=true",
+                    (pat, *common, "trainer.max_staleness=1", "engine.adaptive_tp.enabled=true",
                      f"engine.adaptive_tp.profile={tmp_path / 'prof.json'}", "engine.adaptive_tp.candidates=[1, 4]",
                      "engine.adaptive_tp.check_every=4", "engine.adaptive_tp.kv=recompute", *WARM_SKEW),
-                    (planner, *common, "trainer.async_steps=1", "engine.planner.enabled=true",
+                    (planner, *common, "trainer.max_staleness=1", "engine.planner.enabled=true",
                      "engine.planner.calm_steps=1", "engine.kv_bytes_per_device=3900000"))
     m1, m2, m3 = _metrics(sync), _metrics(pat), _metrics(planner)
     for key in ROLLOUT_KEYS + ["loss", "clip_frac", "tail/long_round", "tail/queue_len", "tail/prompts_trained"]:

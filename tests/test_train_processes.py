@@ -133,13 +133,13 @@ def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, 
     (which streams its groups' gradients during the rollout; several processes train after it). sync-2: with
     StreamRL's scale-up, its rule forced due (tests/forced_scale_up.py): each process starts on 1 instance with
     one spare, and one decision for both (T_g, T_t the largest over the processes) grows both to 2 after
-    step 0; the 1-process run grows 2 -> 3 -> 4 (tokens do not depend on the instance). async: one-step-async
-    on all, the next rollout's agreements between the processes (key-value store) running while the update's
-    device collectives run on the train pool's thread (2 processes: tests/test_lora_mechanisms.py's
-    disaggregated async run)."""
+    step 0; the 1-process run grows 2 -> 3 -> 4 (tokens do not depend on the instance). async: generation two
+    versions ahead (trainer.max_staleness=2) with the decoupled objective on all, the next rollouts'
+    agreements between the processes (key-value store) running while the update's device collectives run on
+    the train pool's thread (2 processes: tests/test_lora_mechanisms.py's disaggregated async run)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["steps=2", "save_every=null", *POOLS, "placement=disaggregated",
-              f"trainer.async_steps={int(asynchronous)}"]
+    common = ["steps=3" if asynchronous else "steps=2", "save_every=null", *POOLS, "placement=disaggregated"]
+    common += ["trainer.max_staleness=2", "algo.objective=decoupled"] if asynchronous else []
     entry, one_extra, many_extra = ["-m", "jaxrl.train"], [], [f"engine.instances={4 // procs}"]
     if not asynchronous:
         monkeypatch.setattr(balance, "scale_up_due", lambda t_gen, t_train, k: (True, t_gen - t_train, t_gen / (k + 1)))
@@ -156,9 +156,11 @@ def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, 
     for key in ROLLOUT_KEYS:
         assert [r[key] for r in m1] == [r[key] for r in m2], key
     assert {r["placement/train_devices"] for r in m2} == {4}
-    if asynchronous:         # step 1 trained on a rollout of the weights one step behind
+    if asynchronous:         # steps 1 and 2 trained on rollouts of the weights one and two steps behind
         assert {r["placement/gen_devices"] for r in m2} == {1}
-        assert [r["placement/staleness"] for r in m2] == [0, 1]
+        assert [r["placement/staleness"] for r in m2] == [0, 1, 2]
+        np.testing.assert_allclose([r["async/is_weight_mean"] for r in m2], [r["async/is_weight_mean"] for r in m1],
+                                   rtol=1e-5)
     else:                    # (gen_instances: at the sync, before the step's scale-up)
         assert [r["placement/scaled_up"] for r in m1] == [1, 1] and [r["placement/scaled_up"] for r in m2] == [1, 0]
         assert [r["placement/gen_instances"] for r in m2] == [1, 2]

@@ -24,12 +24,12 @@ from .kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from .losses import entropy_bonus, kl_loss, policy_loss, ppo_clip_token_loss, value_loss, value_token_loss
 from .masked import broadcast_sequence, last_token_mask, masked_mean, masked_sum, masked_var, masked_whiten
 from .offpolicy import (IS_MODES, decoupled_policy_loss, gspo_policy_loss, gspo_token_ratio, importance_weights,
-                        sequence_log_ratio, staleness_mask)
+                        packed_sequence_ratio, sequence_log_ratio, staleness_mask)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "Aggregation", "IS_MODES", "KL_ESTIMATORS",
     "aggregate", "decoupled_policy_loss", "gspo_policy_loss", "gspo_token_ratio", "importance_weights",
-    "sequence_log_ratio", "staleness_mask", "broadcast_sequence", "compute_advantages", "dr_grpo_advantages", "entropy_bonus",
+    "packed_sequence_ratio", "sequence_log_ratio", "staleness_mask", "broadcast_sequence", "compute_advantages", "dr_grpo_advantages", "entropy_bonus",
     "folded_token_weights", "gae_advantages", "grpo_advantages", "kl_loss", "kl_penalty", "last_token_mask",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "outcome_token_rewards", "policy_loss",
     "ppo_clip_token_loss", "register_advantage", "register_aggregation", "register_kl_estimator",

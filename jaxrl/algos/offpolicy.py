@@ -129,6 +129,19 @@ def gspo_token_ratio(logp, seq_ratio) -> jax.Array:
     return _sg(jnp.asarray(seq_ratio, jnp.float32)) * jnp.exp(logp - _sg(logp))
 
 
+def packed_sequence_ratio(logp, old_logp, segment_ids, mask) -> jax.Array:
+    """GSPO's s_i for packed rows [R, L] (several sequences per row, `segment_ids` 1.. per row, 0 = padding),
+    broadcast to each of the sequence's tokens [R, L] (1 where no token counts): the `seq_ratio` the trainer's
+    per-token GSPO form reads. The same as `sequence_log_ratio` on each sequence alone."""
+    mask = as_mask(mask, what="packed_sequence_ratio")
+    R, L = mask.shape
+    idx = (jnp.arange(R)[:, None] * (L + 1) + jnp.asarray(segment_ids)).reshape(-1)
+    diff = jnp.where(mask > 0, jnp.asarray(logp, jnp.float32) - jnp.asarray(old_logp, jnp.float32), 0.0)
+    sums = jax.ops.segment_sum(diff.reshape(-1), idx, num_segments=R * (L + 1))
+    counts = jax.ops.segment_sum((mask > 0).reshape(-1).astype(jnp.float32), idx, num_segments=R * (L + 1))
+    return jnp.exp(sums / jnp.maximum(counts, 1.0))[idx].reshape(R, L)
+
+
 def staleness_mask(token_versions, trained_version, max_staleness: int, mask=None) -> jax.Array:
     """1.0 where a token's weights version is at most `max_staleness` versions older than `trained_version`, else
     0.0 [B, T] (times `mask` when given): the tokens a bounded-staleness trainer keeps."""

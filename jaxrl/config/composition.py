@@ -58,7 +58,7 @@ MECHANISMS: dict[str, Mechanism] = {
                                 "per-group advantages, one update per batch", "RollPacker"),
     "disaggregated": Mechanism(("placement=disaggregated",), "where training runs (its own device pool)",
                                "fixed-shape micro-batches", "StreamRL"),
-    "async": Mechanism(("placement=disaggregated", "trainer.async_steps=1"),
+    "async": Mechanism(("placement=disaggregated", "trainer.max_staleness=1"),
                        "when the update runs (beside the next rollout)", "a separate train pool", "StreamRL"),
     "skew": Mechanism(("rollout.skew.enabled=true",), "which instance generates which prompt (long-tail class)",
                       "several instances", "StreamRL"),

@@ -56,8 +56,8 @@ def check_critic(cfg: "TrainConfig") -> None:
                 raise ConfigError(key, "algo.kl_in_reward: the KL node needs the update's fixed micro-batches "
                                   "before the advantages (set trainer.micro_batch_tokens, no stream trainer), or "
                                   "use kl_coef as a loss term")
-        if t.async_steps:
-            raise ConfigError("trainer.async_steps", "algo.kl_in_reward: the token rewards' KL is the sampling "
+        if t.max_staleness:
+            raise ConfigError("trainer.max_staleness", "algo.kl_in_reward: the token rewards' KL is the sampling "
                               "policy's, which one-step-async no longer holds when it scores the batch (the "
                               "trainer is one update ahead); use kl_coef as a loss term")
     if cfg.algo.advantage != "gae":

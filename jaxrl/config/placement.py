@@ -1,4 +1,4 @@
-"""`placement`, `trainer.async_steps` and `stage_balance`: StreamRL's disaggregated generation and training
+"""`placement`, `trainer.max_staleness` and `stage_balance`: StreamRL's disaggregated generation and training
 (`jaxrl.train.pipeline`, `jaxrl.train.balance`)."""
 
 from __future__ import annotations
@@ -36,29 +36,30 @@ def check_placement(cfg) -> None:
     t, e, sb = cfg.trainer, cfg.engine, cfg.stage_balance
     if cfg.placement not in PLACEMENTS:
         raise ConfigError("placement", f"{cfg.placement!r}; valid choices: {', '.join(PLACEMENTS)}")
-    check_int("trainer.async_steps", t.async_steps, minimum=0)
-    if t.async_steps > 1:
-        raise ConfigError("trainer.async_steps", f"{t.async_steps}: 0 (synchronous) or 1 (one-step-async) only")
+    check_int("trainer.max_staleness", t.max_staleness, minimum=0)
+    if t.swap_step is not None and not t.max_staleness:
+        raise ConfigError("trainer.swap_step", "needs trainer.max_staleness >= 1: a synchronous step's update runs "
+                          "after its rollout, with no rollout in flight to swap into")
     if sb.max_instances is not None and sb.max_instances < e.instances:
         raise ConfigError("stage_balance.max_instances", f"{sb.max_instances} < engine.instances={e.instances}")
     if cfg.placement == "colocated":
-        if t.async_steps:
-            raise ConfigError("trainer.async_steps", "1 needs placement=disaggregated: on shared devices the next "
-                              "rollout cannot run while this step trains")
+        if t.max_staleness:
+            raise ConfigError("trainer.max_staleness", f"{t.max_staleness} needs placement=disaggregated: on shared "
+                              "devices the next rollouts cannot run while this step trains")
         if sb.scale_up:
             raise ConfigError("stage_balance.scale_up", "needs placement=disaggregated (separate pools to balance)")
         return
     why = "with placement=disaggregated"
-    if t.stream.enabled and t.async_steps:
-        raise ConfigError("trainer.stream.enabled", "true with trainer.async_steps=1: the stream trainer takes "
-                          "gradients at the weights of the rollout it frees devices from, and a one-step-async "
-                          "rollout is trained at the weights after the update that runs beside it")
+    if t.stream.enabled and t.max_staleness:
+        raise ConfigError("trainer.stream.enabled", f"true with trainer.max_staleness={t.max_staleness}: the stream "
+                          "trainer takes gradients at the weights of the rollout it frees devices from, and an "
+                          "asynchronous rollout is trained at the weights of later updates")
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: gradients stream over fixed-shape "
                           "micro-batches; set a token budget")
-    if t.async_steps:
-        why = "with trainer.async_steps=1"
+    if t.max_staleness:
+        why = f"with trainer.max_staleness={t.max_staleness}"
         if t.backward == "blockwise" and t.kv_source == "rollout":
-            raise ConfigError("trainer.kv_source", f"rollout {why}: a rollout trained one step late was made by "
-                              "the weights before the update, so its K/V are another policy's and the blockwise "
+            raise ConfigError("trainer.kv_source", f"rollout {why}: a rollout trained steps late was made by "
+                              "the weights before the updates, so its K/V are another policy's and the blockwise "
                               "gradient would not be exact; use kv_source=recompute")

@@ -11,9 +11,11 @@ from .base import ConfigError, Section, check_choice, check_float, check_int, ch
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
+SWAP_KV = ("keep", "recompute")                # trainer.swap_kv (`RolloutService.swap_weights`)
 REPARTITIONS = ("none", "tokens")              # trainer.repartition (jaxrl.flow.databuffer)
 from .rewards import AdaptiveTimeoutSection, SandboxSection
 from .stream import StreamSection, check_stream
+from .objective import check_objective, check_objective_fields
 from .placement import StageBalanceSection, check_placement
 from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
@@ -71,6 +73,9 @@ class AlgoSection(Section):
     entropy_coef: float = 0.0            # entropy bonus weight
     gamma: float = 1.0                   # discount (reinforce_pp returns, GAE)
     lam: float = 0.95                    # GAE lambda (algo.advantage=gae)
+    objective: str = "ppo"               # ppo, decoupled (AReaL: behaviour weight x proximal clip) or gspo (sequence ratio)
+    is_correction: str = "truncate"      # decoupled: the importance weight pi_prox/pi_behav: none, truncate (TIS) or mask (MIS)
+    is_cap: float = 2.0                  # decoupled: C of the truncation / mask
     graph: str = "default"               # the step's graph (jaxrl.flow): a built-in name (grpo, dapo, rloo, reinforce_pp, ppo) or a .yaml path; default = algo.advantage's
 
     def __post_init__(self):
@@ -78,6 +83,7 @@ class AlgoSection(Section):
         check_str("graph", self.graph)
         check_choice("agg", self.agg, AGGREGATIONS)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_objective_fields(self)
         for name in ("group_size", "prompts_per_step", "mini_batches", "micro_batches"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "gamma", "lam"):
@@ -132,7 +138,9 @@ class TrainerSection(Section):
     block_size: int = 256                # blockwise: tokens per block (T)
     kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)
     stream: StreamSection = dataclasses.field(default_factory=StreamSection)   # RollPacker's stream trainer
-    async_steps: int = 0                 # StreamRL: 1 = the next rollout runs (on the step-before weights) while this step trains
+    max_staleness: int = 0               # k: generation runs up to k policy versions ahead of training (0: synchronous)
+    swap_step: int | None = None         # max_staleness >= 1: the update enters the next rollout at its swap_step-th engine step (null: between rollouts)
+    swap_kv: str = "keep"                # swap_step: the in-flight sequences' K/V kept (keep) or recomputed on the new weights
     repartition: str = "none"            # DistFlow databuffer before packing: none (each process trains its own samples) or tokens (balanced over processes)
 
     def __post_init__(self):
@@ -144,6 +152,9 @@ class TrainerSection(Section):
         check_choice("backward", self.backward, BACKWARDS)
         check_int("block_size", self.block_size, minimum=1)
         check_choice("kv_source", self.kv_source, KV_SOURCES)
+        if self.swap_step is not None:
+            check_int("swap_step", self.swap_step, minimum=1)
+        check_choice("swap_kv", self.swap_kv, SWAP_KV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +289,7 @@ class TrainConfig(Section):
         self._check_blockwise()
         check_stream(self.trainer.stream, self)
         check_placement(self)
+        check_objective(self)
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "

@@ -31,6 +31,7 @@ from jaxrl.train import update_stage as stage
 from jaxrl.train.batch import Sample, trained_mask
 from jaxrl.train.distributed import global_sum
 from jaxrl.train.pipeline import check_staleness
+from jaxrl.train.weight_swap import MidRolloutSwap
 
 from .context import FlowContext, TrainContext
 from .data import StepData
@@ -145,15 +146,15 @@ def update(ctx: FlowContext, data: StepData) -> None:
     the colocated update; sets `data.train_metrics` (host values)."""
     tc, cfg = ctx.train, ctx.train.cfg
     uc, pol, rs = tc.update, tc.policy, tc.rollout
-    check_staleness(data.step, [data.version])
+    check_staleness(data.step, [data.version], cfg.trainer.max_staleness)
     if not any_samples(data):         # every group was dropped (dynamic sampling, a group filter)
         waves = f", dynamic sampling's {data.stats['waves']} waves" if "waves" in data.stats else ""
         tc.log.warning("step %d: every group's rewards were all equal (or filtered out%s); nothing to train, "
                        "no update", data.step, waves)
         data.train_metrics = {"kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "loss": 0.0,
                               "skipped": 0}
-        if cfg.trainer.async_steps and data.step + 1 < cfg.steps:     # the next rollout still runs one step ahead
-            rs.prefetched = rs.collect(data.step + 1, score=ctx.rewards_streamed)
+        if cfg.trainer.max_staleness:       # generation still runs ahead
+            rs.run_ahead(data.step, cfg.trainer.max_staleness, score=ctx.rewards_streamed)
         return
     if tc.stream or tc.gstream:    # gradients (partly) computed during the rollout: the rest, sums combined, one
         t = time.perf_counter()    # update (RollPacker's stream trainer, StreamRL's sync pipelining on the train pool)
@@ -163,10 +164,16 @@ def update(ctx: FlowContext, data: StepData) -> None:
         else:
             pol.params, pol.opt_state, m = tc.worker.submit("update", finish, pol.params, pol.opt_state).result()
         m, data.train_wait_s = jax.device_get(m), time.perf_counter() - t
-    elif cfg.trainer.async_steps:     # StreamRL one-step-async: the next rollout runs while this trains
+    elif cfg.trainer.max_staleness:     # asynchronous: the next rollouts run while this trains (StreamRL: k = 1)
         fut = tc.worker.submit("update", stage.run, uc, *train_batches(tc, data))
-        if data.step + 1 < cfg.steps:
-            rs.prefetched = rs.collect(data.step + 1, score=ctx.rewards_streamed)
+        swap = None
+        if cfg.trainer.swap_step is not None:      # partial rollouts: the update enters the next rollout mid-way
+            staged = tc.worker.submit("stage", lambda: rs.svc.stage(pol.params, adapters_only=True))
+            swap = MidRolloutSwap(rs.svc, staged, version=data.step + 1, at_step=cfg.trainer.swap_step,
+                                  kv=cfg.trainer.swap_kv)
+        rs.run_ahead(data.step, cfg.trainer.max_staleness, score=ctx.rewards_streamed, swap=swap)
+        if swap is not None:
+            data.metrics.update(swap.metrics())
         t = time.perf_counter()
         m, data.train_wait_s = jax.device_get(fut.result()), time.perf_counter() - t
     elif tc.worker is not None:       # disaggregated, several processes: after the rollout, on the train pool

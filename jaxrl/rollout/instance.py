@@ -54,10 +54,11 @@ class Completion:
     appended: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # observation spans of `tokens`
     versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (first token index, weights version)
 
-    def token_versions(self) -> list[int]:
+    def token_versions(self, default: int = 0) -> list[int]:
         """The weights version that sampled each of `tokens` (`RolloutService.swap_weights`: a sequence may
-        span several); an appended (observation) token carries the version current when it was appended."""
-        spans = self.versions or [(0, 0)]
+        span several; `default` where none was recorded); an appended (observation) token carries the version
+        current when it was appended."""
+        spans = self.versions or [(0, default)]
         out, k = [], 0
         for i in range(len(self.tokens)):
             while k + 1 < len(spans) and spans[k + 1][0] <= i:

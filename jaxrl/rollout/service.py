@@ -31,12 +31,14 @@ sequences of `max_seq_len`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence as Seq
 
 import jax
 
+from jaxrl.config.train import SWAP_KV      # a mid-generation weight update: the K/V kept, or recomputed
 from jaxrl.runtime import enable_compilation_cache
 from models import ModelConfig, Weights, fit_vocab, logical_axes, lora, vocab_rows
 from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups
@@ -52,7 +54,17 @@ from .tp_switch import AdaptiveTP
 ROUTERS = ("least_loaded", "round_robin")
 ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (interpret mode on the CPU)
 KV_MODES = ("migrate", "recompute")
-SWAP_KV = ("keep", "recompute")        # a mid-generation weight update: the K/V so far kept, or recomputed
+
+
+@dataclasses.dataclass
+class Staged:
+    """Weights made ready for this process's instances (`RolloutService.stage`)."""
+
+    weights: Weights
+    adapters: bool            # only the LoRA adapters move
+    src: Weights              # what moves (the adapters, or the whole tree)
+    copies: list | None       # this process's copy per instance (multi-process), else None
+    meshes: list              # the instances' meshes it was staged for
 
 
 class RolloutService:
@@ -378,14 +390,17 @@ class RolloutService:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def swap_weights(self, weights: Weights, version: int, *, kv: str = "keep", adapters_only: bool = False) -> dict:
+    def swap_weights(self, weights: Weights, version: int, *, kv: str = "keep", adapters_only: bool = False,
+                     staged: Staged | None = None) -> dict:
         """A weight update in the middle of generation (partial rollouts across weight versions): every
         in-flight step is drained, then each live sequence continues with `weights` from its next token on,
         and those tokens record `version` (`Completion.versions`). kv="keep": the K/V of the positions so far
         stay, computed by the older weights (AReaL's interruptible generation: no recomputation, the new
         weights attend over old K/V); kv="recompute": they are dropped and every sequence re-prefills prompt +
         tokens with the new weights, so its continuation is exactly what the new weights generate from that
-        prefix. Returns {"sequences": live sequences, "recomputed": positions to prefill again}."""
+        prefix. `staged`: from `stage(weights)`, already run (multi-process: the collective half, on the train
+        pool's thread in step with the other processes), so the swap itself moves weights within this process
+        only. Returns {"sequences": live sequences, "recomputed": positions to prefill again}."""
         if kv not in SWAP_KV:
             raise ValueError(f"kv={kv!r}; valid choices: {', '.join(SWAP_KV)}")
         self.pause()
@@ -398,11 +413,24 @@ class RolloutService:
                 else:
                     spans.append((len(s.out), int(version)))
                 live += 1
-        self.update_weights(weights, adapters_only=adapters_only, version=version)
+        self.update_weights(weights, adapters_only=adapters_only, version=version, staged=staged)
         recomputed = sum(inst.sched.drop_kv() for inst in self.instances) if kv == "recompute" else 0
         return {"sequences": live, "recomputed": recomputed}
 
-    def update_weights(self, weights: Weights, *, adapters_only: bool = False, version: int | None = None) -> list:
+    def stage(self, weights: Weights, *, adapters_only: bool = False) -> Staged:
+        """The part of a sync that may involve other processes: global weights (multi-process) become this
+        process's copies for its instances by one collective reshard that every process runs at the same point
+        in its program (`_local_copies`); nothing for weights this process already addresses. `update_weights`
+        and `swap_weights` given the result move them within the process only; the instances' layout must not
+        change in between (a single process re-stages if it did)."""
+        adapters = adapters_only and lora.has_adapters(weights) and all(
+            not x.is_deleted() for i in self.instances for x in jax.tree.leaves(lora.split(i.weights)[1]))
+        src = lora.split(weights)[0] if adapters else weights
+        meshes = [i.mesh for i in self.instances]
+        return Staged(weights, adapters, src, self._local_copies(src, meshes), meshes)
+
+    def update_weights(self, weights: Weights, *, adapters_only: bool = False, version: int | None = None,
+                       staged: Staged | None = None) -> list:
         """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports. `version`:
         the weights' version, recorded by every token sampled from now on (between rollouts; in the middle of
         one, `swap_weights` also says how the live sequences continue).
@@ -411,10 +439,12 @@ class RolloutService:
         move; an instance whose base arrays were the trainer's own, donated by its update, gets the whole tree
         again."""
         reports, given = [], migration.buffers(weights)
-        adapters = adapters_only and lora.has_adapters(weights) and all(
-            not x.is_deleted() for i in self.instances for x in jax.tree.leaves(lora.split(i.weights)[1]))
-        src = lora.split(weights)[0] if adapters else weights
-        copies = self._local_copies(src, [i.mesh for i in self.instances])
+        if staged is None or staged.weights is not weights or staged.meshes != [i.mesh for i in self.instances]:
+            if staged is not None and staged.copies is not None and staged.weights is weights:
+                raise RuntimeError("the instances' layout changed between stage() and the sync of global "
+                                   "(multi-process) weights; stage them again, at the same point on every process")
+            staged = self.stage(weights, adapters_only=adapters_only)
+        adapters, src, copies = staged.adapters, staged.src, staged.copies
         for k, inst in enumerate(self.instances):
             w = src if copies is None else copies[k]
             if adapters:

@@ -212,7 +212,7 @@ def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | No
                                        planner=dataclasses.replace(e.planner, enabled="planner" in m)),
             algo=cfg.algo,
             trainer=TrainerSection(stream=dataclasses.replace(cfg.stream, enabled="stream_trainer" in m),
-                                   async_steps=int("async_steps" in m)),
+                                   max_staleness=int("async_steps" in m)),
             placement="disaggregated" if m & {"disaggregated", "async_steps"} else "colocated",
             seed=cfg.seed, steps=cfg.steps)
     except ConfigError as err:

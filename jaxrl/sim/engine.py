@@ -195,6 +195,7 @@ class SimService(RolloutService):
                           for i, g in enumerate(plan_layout(tp, instances, self.devices))]
         self._ids, self._groups, self._rr = itertools.count(), itertools.count(), itertools.count()
         self._where, self._ready = {}, []
+        self.version, self._versions = 0, {}        # (RolloutService's per-token weights versions)
         self.adaptive = None
         self.observers = []
         self.steps = 0

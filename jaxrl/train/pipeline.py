@@ -24,7 +24,7 @@ sums are divided by D once and one update is applied: the synchronous update up 
 order. Weights then go to the generation pool layer by layer (`RolloutService.update_weights`,
 asynchronous dispatch: the trainer does not wait for it).
 
-**One-step-async (`trainer.async_steps=1`).** Step n's update runs on the train worker while the main
+**One-step-async (`trainer.max_staleness=1`).** Step n's update runs on the train worker while the main
 thread rolls out step n+1 with the weights the generation pool holds, those of step n−1 (for step 0's
 successor: the initial weights). Its samples carry the rollout's own log-probs as the behaviour policy of
 the importance ratio (`old_logp`) and the version of the weights that generated them; staleness
@@ -165,7 +165,8 @@ class Prefetched:
         comps = [{"request_id": c.request_id, "prompt": list(c.prompt), "tokens": list(c.tokens),
                   "logprobs": [float(x) for x in c.logprobs], "finish_reason": c.finish_reason,
                   "instance": c.instance, "preemptions": c.preemptions,
-                  "appended": [list(span) for span in c.appended]} for c in self.completions]
+                  "appended": [list(span) for span in c.appended],
+                  "versions": [list(span) for span in c.versions]} for c in self.completions]
         stats = {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str, list))}
         if "env" in self.stats:                 # multi-turn counters (env/ metrics)
             stats["env"] = {k: float(v) for k, v in self.stats["env"].items()}
@@ -179,17 +180,19 @@ class Prefetched:
     @classmethod
     def from_state(cls, d: dict) -> "Prefetched":
         comps = [Completion(c["request_id"], c["prompt"], c["tokens"], c["logprobs"], c["finish_reason"],
-                            c["instance"], c["preemptions"], appended=[tuple(span) for span in c.get("appended", [])])
+                            c["instance"], c["preemptions"], appended=[tuple(span) for span in c.get("appended", [])],
+                            versions=[tuple(span) for span in c.get("versions", [])])
                  for c in d["completions"]]
         plan = None if d.get("plan") is None else RoundPlan(**d["plan"])
         return cls(int(d["step"]), int(d["version"]), list(d["rows"]), comps,
                    np.asarray(d["rewards"], np.float32), dict(d["stats"]), plan)
 
 
-def check_staleness(trained_version: int, sample_versions) -> int:
-    """Versions behind (trained − generated) of a step's samples: the largest; more than 1 is a bug."""
+def check_staleness(trained_version: int, sample_versions, bound: int) -> int:
+    """Versions behind (trained − generated) of a step's samples: the largest; more than `bound`
+    (trainer.max_staleness) is a bug."""
     lag = max((trained_version - int(v) for v in sample_versions), default=0)
-    if not 0 <= lag <= 1:
-        raise RuntimeError(f"one-step-async trained version {trained_version} on samples of versions "
-                           f"{sorted(set(map(int, sample_versions)))}: staleness {lag} (must be 0 or 1)")
+    if not 0 <= lag <= bound:
+        raise RuntimeError(f"trained version {trained_version} on samples of versions "
+                           f"{sorted(set(map(int, sample_versions)))}: staleness {lag} (must be 0..{bound})")
     return lag

@@ -2,7 +2,8 @@
 which layout, as one component (ARCHITECTURE.md, "Components").
 
     rs = RolloutSide.build(cfg, tokenizer, dataset, model_cfg, policy, devices, stream=..., gstream=...)
-    got = rs.take(step)             # the step's rollout with its rewards (one-step-async: the prefetched one)
+    got = rs.take(step)             # the step's rollout with its rewards (asynchronous: the one made ahead)
+    rs.run_ahead(step, k)           # generation k steps ahead (trainer.max_staleness): rollouts up to step + k
     rs.sync(params)                 # the new weights into the instances, on the layout the next rollout uses
 
 What it owns, each built from its config section:
@@ -23,6 +24,7 @@ with the prefetched rollout and the layout the next rollout starts on is set rig
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -52,6 +54,7 @@ from .skew_step import SkewStep
 from .shrink import kept_instances
 from .stream import StreamTrainer
 from .trajectories import MultiTurn, env_metrics
+from .weight_swap import MidRolloutSwap
 
 log = logging.getLogger("jaxrl.train")
 
@@ -100,7 +103,7 @@ class RolloutSide:
         self.run_dir, self.is_main = run_dir, jax.process_index() == 0
         self.turns = turns              # multi-turn (rollout.env): trajectories with an environment
         self.engine_version = 0         # the step whose weights the generation instances hold
-        self.prefetched: Prefetched | None = None      # one-step-async: the next step's rollout, already made
+        self.ahead: collections.deque[Prefetched] = collections.deque()   # rollouts of later steps, already made
         self.instances = cfg.engine.instances   # the instances a rollout starts on: configured, or scaled up (`grow`)
         n_proc, per_step, tb = jax.process_count(), cfg.algo.prompts_per_step // jax.process_count(), \
             cfg.rollout.tail_batching
@@ -136,16 +139,40 @@ class RolloutSide:
 
     # ------------------------------------------------------------------------------------- rollout
     def take(self, step: int, score: bool = True) -> Prefetched:
-        """Step `step`'s rollout: one-step-async's prefetched one when there is one, else collected now."""
-        got = self.prefetched if self.prefetched is not None else self.collect(step, score=score)
-        self.prefetched = None
-        return got
+        """Step `step`'s rollout: the one made ahead when there is one, else collected now."""
+        if self.ahead and self.ahead[0].step == step:
+            return self.ahead.popleft()
+        if self.ahead:
+            raise RuntimeError(f"step {step}: the rollouts made ahead are of steps {[p.step for p in self.ahead]}")
+        return self.collect(step, score=score)
+
+    def run_ahead(self, step: int, k: int, score: bool = True, swap: MidRolloutSwap | None = None) -> None:
+        """Generation up to `k` policy versions ahead of training (trainer.max_staleness): while step `step`
+        trains, the rollouts of the steps up to step + k (and before the run's end) not made yet are collected
+        on the weights the instances hold now. With k = 1 it is StreamRL's one-step-async. `swap`
+        (trainer.swap_step): step `step`'s update enters the first of them mid-rollout (`weight_swap`)."""
+        nxt = self.ahead[-1].step + 1 if self.ahead else step + 1
+        while nxt <= min(step + k, self.cfg.steps - 1):
+            if swap is not None:
+                self.svc.observers.append(swap.observe)
+            try:
+                self.ahead.append(self.collect(nxt, score=score))
+            finally:
+                if swap is not None:
+                    self.svc.observers.remove(swap.observe)
+            if swap is not None:
+                swap.finish()
+                self.engine_version, swap = swap.version, None
+            nxt += 1
+        if swap is not None:           # nothing left to generate (the run's last steps): the weights go in now
+            swap.finish()
+            self.engine_version = swap.version
 
     def collect(self, step: int, score: bool = True) -> Prefetched:
         """Step `step`'s rollout with its rewards (tail batching: a short round's race, dynamic sampling's
         waves, or a long round from the queue), on the weights the generation instances hold now.
         `score=False`: no rewards here (the graph's reward node scores the batch afterwards)."""
-        cfg = self.cfg
+        cfg, version = self.cfg, self.engine_version      # (a mid-rollout swap may raise it: its tokens say so)
         score = score or self.turns is not None     # multi-turn: the environments score during the rollout
         t0 = time.perf_counter()
         preempted = total_preemptions(self.svc)
@@ -187,14 +214,14 @@ class RolloutSide:
         mech = self._mechanism_metrics(step, plan, preempted)
         if self.turns:
             mech.update(env_metrics(rstats["env"]))
-        if cfg.trainer.async_steps and (self.planner or self.svc.adaptive is not None):
+        if cfg.trainer.max_staleness and (self.planner or self.svc.adaptive is not None):
             self.relayout()       # the next rollout starts before the sync: its layout is set here, at this one's end
         if score:
             self.reward_guard.update(rstats)     # raises after rewards.max_failed_steps all-failed steps
         t2 = time.perf_counter()
         t1 = t2 - rstats["seconds"]      # rewards overlap the rollout; reward_s is the wait after it
         rstats.update(rollout_s=t1 - t0, reward_s=t2 - t1, preempted=preempted, mechanisms=mech)
-        return Prefetched(step, self.engine_version, list(rows), comps, rewards, rstats, plan)
+        return Prefetched(step, version, list(rows), comps, rewards, rstats, plan)
 
     def _mechanism_metrics(self, step: int, plan, preempted: int) -> dict:
         """The rollout side's own metrics, taken at the rollout's end (one-step-async: step `step`'s rollout
@@ -242,12 +269,13 @@ class RolloutSide:
         """The new weights (of step `version`) into the rollout instances, on the layout the next rollout
         starts on (`relayout`: one reshard; a layout seen for the first time compiles its step set here). With
         LoRA only the adapters move unless `base_changed` (a resume: the base came from the checkpoint) or the
-        layout changes."""
+        layout changes. Weights a mid-rollout swap already put there (`weight_swap`) do not move again."""
+        swapped = version == self.engine_version and not base_changed
         if self.planner or self.svc.adaptive is not None or len(self.svc.instances) != self.instances:
-            self.relayout(params, adapters_only=not base_changed)
-        else:
+            self.relayout(None if swapped else params, adapters_only=not base_changed)
+        elif not swapped:
             self.svc.update_weights(params, adapters_only=not base_changed)
-        self.engine_version = version
+        self.engine_version = self.svc.version = version
 
     def relayout(self, weights=None, *, adapters_only: bool = False):
         """The generation layout the next rollout starts on: the planner's for the next round type, else the
@@ -292,7 +320,7 @@ class RolloutSide:
     # ------------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """The checkpoint meta of the rollout side: the loader's position, the long-prompt queue (global, the
-        same on every process), the planner's, the length ranker and one-step-async's next rollout."""
+        same on every process), the planner's, the length ranker and the rollouts made ahead (asynchronous)."""
         meta = {"loader": self.loader.state_dict(), "instances": self.instances}
         if self.tail:
             meta["tail"] = self.tail.state_dict()
@@ -300,8 +328,8 @@ class RolloutSide:
             meta["planner"] = self.planner.state_dict()
         if self.skew:
             meta["skew"] = self.skew.state_dict()
-        if self.prefetched is not None:
-            meta["prefetched"] = self.prefetched.state_dict()
+        if self.ahead:
+            meta["ahead"] = [p.state_dict() for p in self.ahead]
         return meta
 
     def load_state_dict(self, meta: dict) -> None:
@@ -313,8 +341,8 @@ class RolloutSide:
             self.planner.load_state_dict(meta["planner"])
         if self.skew and "skew" in meta:
             self.skew.load_state_dict(meta["skew"])
-        if "prefetched" in meta:
-            self.prefetched = Prefetched.from_state(meta["prefetched"])
+        saved = meta.get("ahead", [meta["prefetched"]] if "prefetched" in meta else [])   # (older checkpoints)
+        self.ahead = collections.deque(Prefetched.from_state(d) for d in saved)
 
     def warm_start_ranker(self) -> None:
         """StreamRL's length ranker from rollout.skew.ranker.pairs (a fresh run); a bad row raises ValueError

@@ -111,17 +111,23 @@ def make_logprob_fn(cfg: ModelConfig, spec: LossSpec):
 def token_loss(logp, ent, mb, spec: LossSpec):
     """Per-token loss [R, L] and its parts ("kl", "clipped") from the `jaxrl.algos` registry.
 
-    rl:  ℓ = ppo_clip(ρ, A) + β·KL_est(logp, ref_logp) − c_H·H, with ρ = exp(logp − old_logp)
-         (ρ = 1 on-policy: `old_logp` absent means the current log-probs, without gradient).
+    rl:  ℓ = w·ppo_clip(ρ, A) + β·KL_est(logp, ref_logp) − c_H·H, with ρ = exp(logp − old_logp)
+         (ρ = 1 on-policy: `old_logp` absent means the current log-probs, without gradient); with
+         "seq_ratio" GSPO's per-token ratio instead, and w = "is_weight" (decoupled PPO) or 1.
     sft: ℓ = −logp (+ the same KL / entropy terms when their coefficients are set).
     """
     if spec.kind == "sft":
         tok, clipped = -logp, jnp.zeros_like(logp)
     else:
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)   # on-policy: ratio == 1
-        ratio = jnp.exp(logp - old)
+        if "seq_ratio" in mb:        # GSPO-token: value s_i, gradient s_i·∇logp (algos.offpolicy)
+            ratio = algos.gspo_token_ratio(logp, mb["seq_ratio"])
+        else:
+            ratio = jnp.exp(logp - old)
         tok, clipped, _ = algos.ppo_clip_token_loss(ratio, mb["advantages"], clip_low=spec.clip_low,
                                                     clip_high=spec.clip_high, dual_clip=spec.dual_clip)
+        if "is_weight" in mb:        # decoupled PPO: π_prox/π_behav, truncated or masked (algos.offpolicy)
+            tok = mb["is_weight"] * tok
     kl = jnp.zeros_like(logp)
     if spec.kl_coef:
         kl = algos.kl_penalty(logp, mb["ref_logp"], spec.kl_estimator)
@@ -134,7 +140,7 @@ def token_loss(logp, ent, mb, spec: LossSpec):
 def _loss_aux(mb, spec: LossSpec) -> dict:
     """The per-token constants `token_loss` reads, plus the weights and the mask (float32)."""
     keys = ["advantages"] if spec.kind == "rl" else []
-    keys += ["old_logp"] if spec.kind == "rl" and "old_logp" in mb else []
+    keys += [k for k in ("old_logp", "is_weight", "seq_ratio") if spec.kind == "rl" and k in mb]
     keys += ["ref_logp"] if spec.kl_coef else []
     aux = {k: mb[k] for k in keys}
     aux.update(weights=mb["weights"], loss_mask=mb["loss_mask"].astype(jnp.float32))

@@ -27,8 +27,23 @@ def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float
            "reward_timeouts": counts[0], "reward_crashes": counts[1], "preemptions_total": counts[2],
            "tokens_per_s": all_l.sum() / max(times["rollout_s"], 1e-9),
            "engine_steps": global_max(rstats["engine_steps"]), **times,
-           **{k: v for k, v in m.items() if k.startswith(("blockwise/", "stream/"))}}
+           **{k: v for k, v in m.items() if k.startswith(("blockwise/", "stream/", "async/"))}}
     return {k: (float(v) if not isinstance(v, int) else v) for k, v in out.items()}
+
+
+def staleness_metrics(step: int, completions, k: int, default: int) -> dict:
+    """async/... (trainer.max_staleness = k): the trained tokens' staleness, `step` minus the weights version
+    that sampled each (`Completion.token_versions`; `default` where none was recorded), over all processes: its
+    mean and the fraction of tokens at each lag 0..k (the histogram; a larger lag fails `check_staleness`)."""
+    counts = np.zeros(k + 1)
+    for c in completions:
+        lags = step - np.asarray(c.token_versions(default), np.int64)
+        counts += np.bincount(np.clip(lags, 0, k), minlength=k + 1)
+    counts = np.asarray(global_sum([float(x) for x in counts]), np.float64)
+    total = max(counts.sum(), 1.0)
+    out = {f"async/lag{j}_frac": float(counts[j] / total) for j in range(k + 1)}
+    out["async/staleness_mean"] = float(np.arange(k + 1) @ counts / total)
+    return out
 
 
 def tail_metrics(plan, rstats: dict, lens, *, trained: int) -> dict:

@@ -52,7 +52,7 @@ from .pipeline import TrainWorker, check_staleness, split_devices
 from .preflight import (ResumePlan, check_tokenizer, discard_unstarted, plan_resume, startup_errors,
                         write_config)
 from .rollout_side import RolloutSide, load_prompts, requests_in_flight
-from .step_metrics import placement_metrics, step_metrics, tail_metrics
+from .step_metrics import placement_metrics, staleness_metrics, step_metrics, tail_metrics
 from .stream import StreamTrainer
 from .trajectories import MultiTurn
 from .warm_start import supervised_warm_start
@@ -118,7 +118,8 @@ class Trainer:
         worker = gstream = self.balance = None
         if cfg.placement == "disaggregated":     # the train pool's thread; streamed gradients (one process)
             worker = TrainWorker(timeline)
-            if not (t.async_steps or jax.process_count() > 1 or a.advantage in WHOLE_BATCH_ADVANTAGES):
+            if not (t.max_staleness or jax.process_count() > 1 or a.advantage in WHOLE_BATCH_ADVANTAGES
+                    or a.objective != "ppo"):
                 gstream = GradientStream(cfg, uc.spec, uc.updater, mesh, pack_len=uc.pack_len, mb_rows=uc.mb_rows,
                                          executor=worker, stager=uc.stager)
             if cfg.stage_balance.scale_up:
@@ -198,7 +199,7 @@ class Trainer:
             self.timeline.step = self.step
         data = self.flow.run(tc, StepData(self.step))
         rstats, m = data.stats, data.train_metrics
-        staleness = check_staleness(self.step, [data.version])
+        staleness = check_staleness(self.step, [data.version], cfg.trainer.max_staleness)
         t2 = data.extra["times"][self.flow.plan.stages[0].head.id][1]     # the rollout's end
         all_rewards, all_lens = data.extra.get("rollout", (data.rewards, data.lens))   # before a group filter
         t3, synced = time.perf_counter(), self.svc.synced_bytes
@@ -223,6 +224,8 @@ class Trainer:
             out.update(tail_metrics(data.plan, rstats, all_lens, trained=len(data.rows)))
         out.update(rstats["mechanisms"])           # the rollout's: tail/queue_len, planner/, pat/
         out.update(self.rollout.observe(self.step, data.prompts, data.lens))     # skew/: the ranker learns
+        if cfg.trainer.max_staleness:              # async/: the tokens' staleness histogram
+            out.update(staleness_metrics(self.step, data.completions, cfg.trainer.max_staleness, data.version))
         if cfg.placement == "disaggregated":     # StreamRL: the pools, the streamed groups, staleness, the bubble
             out.update(placement_metrics(self.svc, self.update.mesh.size, tc.gstream, staleness, data.train_wait_s))
             if self.balance is not None:

@@ -40,8 +40,9 @@ def _out_abstract(exe):
 def needs_policy_logprobs(cfg) -> bool:
     """Whether a step runs the log-prob pass on the policy's own weights: the old log-probs of several
     mini-batches, or the reward's KL (algo.kl_in_reward). On-policy with one update it never does (the ratio
-    is 1: `step.token_loss`), so its executable is not compiled."""
-    return cfg.algo.mini_batches > 1 or cfg.algo.kl_in_reward
+    is 1: `step.token_loss`), so its executable is not compiled. An off-policy objective always does
+    (`corrections`: π_prox, GSPO's ratio)."""
+    return cfg.algo.mini_batches > 1 or cfg.algo.kl_in_reward or cfg.algo.objective != "ppo"
 
 
 class Updater:

@@ -18,16 +18,18 @@ import jax
 
 from jaxrl.config.train import check_rollout_kv_processes
 
-from . import rl
+from . import corrections, rl
 from .context import UpdateContext
 
 
 def prepare(uc: UpdateContext, samples, kvs=None):
     """The host half of the update (packing; agrees on counts across processes): (micro-batches, caches).
-    One-step-async packs the rollout's log-probs as the behaviour policy (`old_logp`)."""
+    Asynchronous steps pack the rollout's log-probs as the behaviour policy (`old_logp`, or `behav_logp` for
+    the decoupled objective: `corrections`)."""
     cfg, mini = uc.cfg, uc.cfg.algo.mini_batches
     mbs, rows = rl.micro_batches(samples, cfg, uc.mesh, uc.pack_len, cfg.rollout.max_new_tokens, uc.mb_rows,
-                                 mini, with_rows=True, behaviour=bool(cfg.trainer.async_steps))
+                                 mini, with_rows=True, behaviour=corrections.behaviour_as_old(cfg),
+                                 token_fields=corrections.packed_fields(cfg, samples))
     caches = None
     if kvs is not None:          # the rollout's K/V, packed like each micro-batch (on the train mesh)
         check_rollout_kv_processes(cfg.trainer, jax.process_count())     # (a count from the environment)
@@ -42,20 +44,23 @@ def prepare(uc: UpdateContext, samples, kvs=None):
 
 def run(uc: UpdateContext, mbs, caches) -> dict:
     """The device half of the update: log-prob passes and the updates; returns the metrics on the devices."""
-    mini = uc.cfg.algo.mini_batches
+    mini, own = uc.cfg.algo.mini_batches, corrections.own_old_logp(uc.cfg)
     for mb in mbs:
         if uc.spec.kl_coef and "ref_logp" not in mb:
             mb["ref_logp"] = uc.updater.logprobs(uc.policy.ref_params, mb)
-        if mini > 1 and "old_logp" not in mb:
+        if (mini > 1 or own) and "old_logp" not in mb:
             mb["old_logp"] = uc.updater.logprobs(uc.policy.params, mb)
+    extra = corrections.importance(uc, mbs)         # decoupled: the importance weights
     per = len(mbs) // mini
     uc.updater.reset_counts()
     for k in range(mini):
         part = slice(k * per, (k + 1) * per)
         kw = {"kv": caches[part]} if caches is not None else {}
         pol = uc.policy
+        corrections.sequence_ratios(uc, pol.params, mbs[part], fresh=own and k == 0)     # gspo
         pol.params, pol.opt_state, m = uc.updater.update(pol.params, pol.opt_state, mbs[part], **kw)
     m.update(uc.updater.counts())        # the update says that it ran (blockwise/... metrics)
+    m.update(extra)
     return m
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import corrections
 from .balance import ScaleUp
 from .batch import FIELDS, INT_FIELDS
 from .context import UpdateContext
@@ -31,7 +32,7 @@ def micro_batch_abstract(uc: UpdateContext) -> dict:
     cfg = uc.cfg
     sharding = NamedSharding(uc.mesh, P(("dp", "fsdp"), None))
     keys = list(FIELDS) + ["ref_logp"] * bool(uc.spec.kl_coef) + ["old_logp"] * (
-        cfg.algo.mini_batches > 1 or cfg.trainer.async_steps > 0)
+        cfg.algo.mini_batches > 1 or cfg.trainer.max_staleness > 0) + ["behav_logp"] * (cfg.algo.objective == "decoupled")
     return {k: jax.ShapeDtypeStruct((uc.mb_rows, uc.pack_len), jnp.int32 if k in INT_FIELDS else jnp.float32,
                                     sharding=sharding) for k in keys}
 
@@ -48,7 +49,8 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
             row_len = uc.updater.padded_len(uc.pack_len)
             uc.stager.warm(*export_pages(cfg), uc.mb_rows, row_len)
             extra["kv"] = uc.stager.abstract(uc.mb_rows, row_len)
-        n += uc.updater.warm(pol.params, pol.opt_state, mb, own_logp=needs_policy_logprobs(cfg),
+        grad_mb, c = corrections.warm(uc, pol.params, mb)       # the off-policy objective's inputs
+        n += c + uc.updater.warm(pol.params, pol.opt_state, grad_mb, own_logp=needs_policy_logprobs(cfg),
                              logp_params=[pol.ref_params] if pol.ref_params is not None else [], **extra)
         if critic is not None:      # PPO: the value pass and the critic's update
             n += critic.warm(mb)
