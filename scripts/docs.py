@@ -369,6 +369,31 @@ def pipeline() -> str:
             + "\n\n" + footer("bench_pipeline.json"))
 
 
+@renders("async-learning")
+def async_learning() -> str:
+    d = load("bench_async.json")
+    rows = []
+    for name, r in d["runs"].items():
+        overrides = r["command"].split("jaxrl.train ", 1)[1].split(" ", 1)[1]
+        w = [x for x in r["is_weight_mean"] if x is not None]
+        wmax = [x for x in r["is_weight_max"] if x is not None]
+        stale = [x for x in r["staleness_mean"] if x is not None]
+        rows.append([name, f"`{overrides}`", r["steps"], f"{r['reward_mean_first']:.3f} → {r['reward_mean_last']:.3f}",
+                     f"{sum(stale) / len(stale):.2f}" if stale else "0",
+                     f"{sum(w) / len(w):.3f} (max {max(wmax):.2f})" if w else "—", f"{r['wall_s'] / 60:.1f} min"])
+    verdict = "within" if d["reaches_sync"] else "**not** within"
+    return (table(["run", "overrides (quickstart)", "steps", "reward, first → last 20%", "mean token staleness",
+                   "importance weight, mean of steps", "wall"], "lllrrrr", rows)
+            + f"
+
+k2's last-20% reward minus sync's: {d['last_reward_gap']:+.3f}, {verdict} the stated margin of "
+              f"{d['margin']}.
+
+![reward curves](../scripts/results/bench_async.png)
+
+" + footer("bench_async.json"))
+
+
 # --------------------------------------------------------------------------------------------- DistFlow
 
 @renders("flow")

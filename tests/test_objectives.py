@@ -101,6 +101,9 @@ def test_gspo_in_the_trainer_equals_algos(params, fused_loss):
     (["algo.objective=decoupled", "trainer.micro_batch_tokens=null"], "trainer.micro_batch_tokens", "proximal"),
     (["algo.objective=decoupled", "trainer.stream.enabled=true", "engine.instances=2"], "trainer.stream.enabled",
      "proximal"),
+    (["trainer.async_steps=1"], "trainer.async_steps", r"renamed trainer.max_staleness"),
+    (["trainer.swap_step=4", "placement=disaggregated"], "trainer.swap_step", "needs trainer.max_staleness >= 1"),
+    (["trainer.swap_kv=migrate"], "trainer.swap_kv", "valid choices"),
 ])
 def test_objective_config_refusals(args, key, match):
     with pytest.raises(ConfigError, match=match) as e:

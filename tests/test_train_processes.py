@@ -134,13 +134,17 @@ def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, 
     StreamRL's scale-up, its rule forced due (tests/forced_scale_up.py): each process starts on 1 instance with
     one spare, and one decision for both (T_g, T_t the largest over the processes) grows both to 2 after
     step 0; the 1-process run grows 2 -> 3 -> 4 (tokens do not depend on the instance). async: generation two
-    versions ahead (trainer.max_staleness=2) with the decoupled objective on all, the next rollouts'
-    agreements between the processes (key-value store) running while the update's device collectives run on
-    the train pool's thread (2 processes: tests/test_lora_mechanisms.py's disaggregated async run)."""
+    versions ahead (trainer.max_staleness=2) with the decoupled objective on all, each update swapped into the
+    next rollout at its 3rd engine step (staged on the train pool's thread, process 1's staging delayed by 1 s:
+    tests/delayed_stage.py), the next rollouts' agreements between the processes (key-value store) running
+    while the update's device collectives run on the train pool's thread (2 processes:
+    tests/test_lora_mechanisms.py's disaggregated async run)."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["steps=3" if asynchronous else "steps=2", "save_every=null", *POOLS, "placement=disaggregated"]
-    common += ["trainer.max_staleness=2", "algo.objective=decoupled"] if asynchronous else []
+    common += ["trainer.max_staleness=2", "algo.objective=decoupled", "trainer.swap_step=3"] if asynchronous else []
     entry, one_extra, many_extra = ["-m", "jaxrl.train"], [], [f"engine.instances={4 // procs}"]
+    if asynchronous:         # process 1's staging of each swapped update is 1 s late
+        entry = [str(ROOT / "tests" / "delayed_stage.py")]
     if not asynchronous:
         monkeypatch.setattr(balance, "scale_up_due", lambda t_gen, t_train, k: (True, t_gen - t_train, t_gen / (k + 1)))
         entry = [str(ROOT / "tests" / "forced_scale_up.py")]
@@ -158,7 +162,10 @@ def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, 
     assert {r["placement/train_devices"] for r in m2} == {4}
     if asynchronous:         # steps 1 and 2 trained on rollouts of the weights one and two steps behind
         assert {r["placement/gen_devices"] for r in m2} == {1}
-        assert [r["placement/staleness"] for r in m2] == [0, 1, 2]
+        assert [r["placement/staleness"] for r in m2] == [0, 1, 1]      # (rollout 2 made after a swap)
+        for key in ("async/lag0_frac", "async/lag1_frac", "async/swap_step"):   # (swapped_sequences: process 0's)
+            assert [r[key] for r in m1] == [r[key] for r in m2], key
+        assert max(r["async/gen_wait_s"] for r in m2[:2]) >= 0.5       # process 0's swap waited for process 1
         np.testing.assert_allclose([r["async/is_weight_mean"] for r in m2], [r["async/is_weight_mean"] for r in m1],
                                    rtol=1e-5)
     else:                    # (gen_instances: at the sync, before the step's scale-up)

@@ -64,6 +64,14 @@ class Section:
     """
 
 
+# keys renamed since a release: an old config gets the new name in its error
+RENAMED = {"trainer.async_steps": "trainer.max_staleness"}
+
+
+def renamed(key: str) -> str:
+    return f" (renamed {RENAMED[key]})" if key in RENAMED else ""
+
+
 def join_key(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
@@ -156,7 +164,8 @@ def _decode_section(cls: type, raw: Any, path: Sequence[str]) -> Any:
         raise DecodingError(path, f"expected a mapping with keys {', '.join(fields)}; got {raw!r}")
     for name, value in raw.items():
         if name not in fields:
-            raise DecodingError((*path, str(name)), f"unknown key; valid keys{where}: {', '.join(fields)}")
+            raise DecodingError((*path, str(name)), f"unknown key{renamed('.'.join((*path, str(name))))}; "
+                                f"valid keys{where}: {', '.join(fields)}")
         try:
             _check_scalar(name, fields[name], value)
         except ConfigError as e:

@@ -46,7 +46,7 @@ from draccus.cfgparsing import load_config as draccus_load_config
 from draccus.utils import ParsingError, stringify_type
 from draccus.wrappers.docstring import HelpOrder, get_attribute_docstring, get_preferred_help_text
 
-from .base import ConfigError, decode, init_field_types, is_plain_section, join_key, unwrap_optional
+from .base import ConfigError, decode, init_field_types, is_plain_section, join_key, renamed, unwrap_optional
 
 T = TypeVar("T")
 
@@ -312,7 +312,8 @@ def _field_type(cls: type, key: str) -> Any:
         fields = init_field_types(base)
         if part not in fields:
             where = f" under {'.'.join(parts[:i])}" if i else ""
-            raise ConfigError(".".join(parts[:i + 1]), f"unknown key; valid keys{where}: {', '.join(fields)}")
+            raise ConfigError(".".join(parts[:i + 1]), f"unknown key{renamed('.'.join(parts[:i + 1]))}; valid "
+                              f"keys{where}: {', '.join(fields)}")
         tp = fields[part]
     return tp
 

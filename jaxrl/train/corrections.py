@@ -23,6 +23,7 @@ import numpy as np
 from jaxrl import algos
 
 from .batch import FIELDS
+from .update import _abstract, _out_abstract
 
 
 def own_old_logp(cfg) -> bool:
@@ -100,7 +101,6 @@ def warm(uc, params, mb: dict) -> tuple[dict, int]:
     """Compile the corrections' executables for the abstract micro-batch `mb` (what `warm_up` packs) and the
     log-prob pass's output on `params`; returns (the micro-batch as the gradient step will see it: each field with
     the sharding its producer gives it, the number of compilations)."""
-    from .update import _abstract, _out_abstract
     cfg, cache, before = uc.cfg, uc.updater.cache, uc.updater.cache.compiles
     a, mb = cfg.algo, dict(mb)
     if a.objective == "ppo":
