@@ -81,12 +81,13 @@ def plot(data: dict) -> None:
     for name, r in data["runs"].items():
         y = np.asarray(r["reward"], np.float64)
         smooth = np.convolve(y, np.ones(SMOOTH) / SMOOTH, mode="valid")
-        ax.plot(np.arange(len(smooth)) + SMOOTH - 1, smooth, label=f"{name}: {r['command'].split('jaxrl.train ')[1]}"
-                if name == "k2" else f"{name}: max_staleness=0")
+        extra = [x for x in RUNS[name] if x not in POOLS] or ["trainer.max_staleness=0"]
+        ax.plot(np.arange(len(smooth)) + SMOOTH - 1, smooth, label=f"{name}: " + ", ".join(
+            x.split(".")[-1] for x in extra) + f" (last 20%: {r['reward_mean_last']:.3f})")
     ax.set_xlabel("RL step")
     ax.set_ylabel(f"reward ({SMOOTH}-step mean)")
     ax.set_title("quickstart on disaggregated pools: synchronous vs 2 versions ahead", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=7, loc="lower right")
     ax.text(0.99, 0.02, data["machine"]["cpu"], transform=ax.transAxes, ha="right", fontsize=6, color="gray")
     fig.tight_layout()
     fig.savefig(PNG, dpi=110)

@@ -241,6 +241,28 @@ def test_cli_writes_the_summary_and_figures(tmp_path):
     assert not any(x["shrunk_at"] for x in steps[:4])
 
 
+def test_async_rows_run_up_to_max_staleness_ahead(tmp_path):
+    """async_steps rows with max_staleness = k: rollout m starts when the generation pool is free and the
+    weights of step m − k − 1's update have reached it (the trainer's `RolloutSide.run_ahead`), never earlier;
+    the disaggregated synchronous row waits for the last step's."""
+    out = tmp_path / "sim"
+    args = [sys.executable, "-m", "jaxrl.sim", "model=tiny-qwen3", "cluster.dtype=float32", "workload.median=40",
+            "workload.above=128", "workload.prompt_len=16", "rollout.max_new_tokens=256",
+            "engine={tp: 1, instances: 8, max_batch: 16, max_seq_len: 288, page_size: 8}",
+            "algo={prompts_per_step: 8, group_size: 4}", "steps=5", "max_staleness=2",
+            "rows=[disaggregated, 'disaggregated+async_steps']", "--out", str(out)]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    by_row = json.loads((out / "summary.json").read_text())["steps_by_row"]
+    for row, k in (("disaggregated", 0), ("disaggregated+async_steps", 2)):
+        steps = by_row[row]
+        gen_free = [x["start"] + x["rollout_s"] for x in steps]
+        for m in range(1, len(steps)):
+            ready = steps[m - k - 1]["end"] if m - k - 1 >= 0 else 0.0
+            assert steps[m]["start"] == pytest.approx(max(gen_free[m - 1], ready), abs=1e-9), (row, m)
+    assert by_row["disaggregated+async_steps"][-1]["end"] < by_row["disaggregated"][-1]["end"]
+
+
 def test_cli_bad_key_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxrl.sim", "cluster.gpu=b200", "--out", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

@@ -18,7 +18,7 @@ A row is a name from `ROWS` or mechanism names joined by "+" (e.g. "tail_batchin
 | stream_trainer | RollPacker: gradients on rollout devices freed mid-rollout (`trainer.stream`) |
 | skew | StreamRL: long-tail prompts to dedicated instances, LPT order (`rollout.skew`; the ranker is the workload's own lengths, blurred by `ranker_noise`) |
 | disaggregated | StreamRL: generation and training on their own GPUs (split by `train.balance.best_split`), samples streamed |
-| async_steps | StreamRL: one-step-async (the next rollout runs while this step trains; needs disaggregated) |
+| async_steps | StreamRL's one-step-async, generalised: generation up to `max_staleness` policy versions ahead of training (the next rollouts run while this step trains; needs disaggregated) |
 | multi_controller | DistFlow: no central driver (off: every sample crosses the driver at each stage boundary) |
 
 The baseline (no mechanism) is what veRL does: colocated, synchronous, static TP, rewards after the
@@ -168,6 +168,7 @@ class SimConfig(Section):
     rows: tuple[str, ...] = ("baseline", "pat", "tail_batching", "rollpacker", "streamrl", "distflow", "all")
     steps: int = 10                         # RL steps per row (a tail-batching period is 5)
     prompts_per_gpu: int | None = None      # set: algo.prompts_per_step = this x cluster.gpus (weak scaling)
+    max_staleness: int = 1                  # async_steps rows: generation up to this many versions ahead (trainer.max_staleness)
     ranker_noise: float = 0.0               # skew: predicted length = the prompt's true mean x exp(noise x N(0,1)) (0: oracle)
     seed: int = 0
     sweep: str | None = None                # a dotted key to sweep (e.g. cluster.gpus), with `values`
@@ -180,6 +181,7 @@ class SimConfig(Section):
             check_int("prompts_per_gpu", self.prompts_per_gpu, minimum=1)
         for r in self.rows:
             mechanisms_of(r)
+        check_int("max_staleness", self.max_staleness, minimum=1)
         check_float("ranker_noise", self.ranker_noise)
         if self.ranker_noise < 0:
             raise ConfigError("ranker_noise", f"must be >= 0, got {self.ranker_noise}")
@@ -212,7 +214,7 @@ def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | No
                                        planner=dataclasses.replace(e.planner, enabled="planner" in m)),
             algo=cfg.algo,
             trainer=TrainerSection(stream=dataclasses.replace(cfg.stream, enabled="stream_trainer" in m),
-                                   max_staleness=int("async_steps" in m)),
+                                   max_staleness=cfg.max_staleness if "async_steps" in m else 0),
             placement="disaggregated" if m & {"disaggregated", "async_steps"} else "colocated",
             seed=cfg.seed, steps=cfg.steps)
     except ConfigError as err:

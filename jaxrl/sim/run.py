@@ -23,7 +23,8 @@ simulated reward pool (`rewards.SimRewardPool`):
 
 Colocated rows run their stages one after the other on all GPUs. Disaggregated rows run the rollout on the
 generation pool while the training pool takes each scored group as it arrives (dynamic-batch pipelining);
-with `async_steps` the next rollout starts when this one ends, on weights one step old.
+with `async_steps` the next rollout starts when this one ends, on weights up to `max_staleness` steps old
+(rollout m waits for the weights of step m − k − 1's update, as the trainer's `RolloutSide.run_ahead`).
 
 Simplified (stated): the whole cluster is one engine loop (every instance steps in lockstep, as one
 process drives them; across nodes the processes of a real run step independently except where the
@@ -145,7 +146,7 @@ class RowSim:
         self.records: list[StepRecord] = []
         self._last_engine = 0.0
         self._gen_free = self._weights_ready = 0.0
-        self._prev_weights_ready = 0.0
+        self._ready: list[float] = []        # when each finished step's weights reached the generation pool
         self.retired_preemptions = 0
 
     def _layout_fits(self, tp: int) -> bool:
@@ -298,9 +299,8 @@ class RowSim:
     def _step_start(self) -> float:
         if not self.records:
             return 0.0
-        if "async_steps" in self.m:      # on weights one step old: wait for the previous step's sync only
-            return max(self._gen_free, self._prev_weights_ready)
-        return max(self._gen_free, self._weights_ready)
+        need = len(self.records) - self.tc.trainer.max_staleness - 1    # rollout m: the update of step m - k - 1
+        return max(self._gen_free, self._ready[need] if need >= 0 else 0.0)
 
     def _hooks(self, rec: StepRecord):
         """Stream trainer / disaggregated pipelining: the hooks of `rollout_and_score` and the train worker."""
@@ -405,8 +405,8 @@ class RowSim:
         moved = svc.relayouts[before:]
         t += sum(r.seconds for r in moved)
         rec.switch_s += sum(r.seconds for r in moved)
-        self._prev_weights_ready = self._weights_ready
         self._weights_ready = t
+        self._ready.append(t)
         rec.end = t
         prev_end = self.records[-1].end if self.records else 0.0
         rec.step_s = rec.end - prev_end

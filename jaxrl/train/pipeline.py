@@ -1,10 +1,10 @@
 """StreamRL's disaggregated generation and training (paper §4.1): device pools, the train worker, the
-one-step-async buffer and the per-pool busy timeline.
+asynchronous rollouts made ahead and the per-pool busy timeline.
 
     train_devs, gen_devs, spare = split_devices(train_size=4, gen_per_process=4)   # disjoint pools
     worker = TrainWorker(timeline)           # the train pool's host thread (one, FIFO)
     gs = GradientStream(..., executor=worker)   # dynamic-batch pipelining: grads as groups arrive
-    fut = worker.submit("update", fn)        # one-step-async: step n's update while rollout n+1 runs
+    fut = worker.submit("update", fn)        # asynchronous: step n's update while rollouts n+1..n+k run
 
 **Pools.** `placement=disaggregated`: each process gives its first train_size / process_count local
 devices to the train mesh (over all processes) and the next `engine.tp × engine.instances` to its
@@ -24,13 +24,15 @@ sums are divided by D once and one update is applied: the synchronous update up 
 order. Weights then go to the generation pool layer by layer (`RolloutService.update_weights`,
 asynchronous dispatch: the trainer does not wait for it).
 
-**One-step-async (`trainer.max_staleness=1`).** Step n's update runs on the train worker while the main
-thread rolls out step n+1 with the weights the generation pool holds, those of step n−1 (for step 0's
-successor: the initial weights). Its samples carry the rollout's own log-probs as the behaviour policy of
-the importance ratio (`old_logp`) and the version of the weights that generated them; staleness
-(version trained − version generated) is checked to be at most 1 and recorded per step. The prefetched
-rollout (tokens, log-probs, rewards, rows) is saved in the checkpoint, so a resumed run trains exactly
-the samples the uninterrupted one would.
+**Asynchronous (`trainer.max_staleness=k`, k = 1 is StreamRL's one-step-async).** Step n's update runs on the
+train worker while the main thread rolls out the steps up to n+k not made yet (`RolloutSide.run_ahead`) with
+the weights the generation pool holds. Their samples carry the rollout's own log-probs as the behaviour
+policy (`old_logp`, or `behav_logp` for the decoupled objective: `corrections.py`) and the version of the
+weights that generated each token; staleness (version trained − version generated) is checked to be at most
+k and recorded per step. The rollouts made ahead (tokens, log-probs, versions, rewards, rows) are saved in the
+checkpoint, so a resumed run trains exactly the samples the uninterrupted one would. With
+`trainer.swap_step`, the update enters the next rollout mid-way (`weight_swap.py`). Asynchronous RL as a
+whole: docs/async.md.
 
 Simplified versus the paper: one process drives both pools (multi-controller over processes as in
 the rest of the system: each process has both pools; with several processes the synchronous mode trains
@@ -150,8 +152,8 @@ class TrainWorker:
 # ----------------------------------------------------------------------------------------------- async buffer
 @dataclasses.dataclass
 class Prefetched:
-    """One-step-async: the rollout of the next step, made while this one trained, with the weights version
-    that generated it."""
+    """A rollout (asynchronous: of a later step, made while an earlier one trained) with the weights version
+    its rollout started on (its tokens' own versions: `Completion.versions`)."""
 
     step: int
     version: int
