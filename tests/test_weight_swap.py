@@ -108,3 +108,31 @@ def test_bad_kv_mode_and_versions_between_rollouts(weights, prompts):
     svc.step()
     aborted = svc.abort(rid)
     assert aborted.versions == [(0, 4)] and aborted.finish_reason == "abort"
+
+
+def test_recompute_swap_while_paused_at_a_turn_equals_the_new_weights_on_the_conversation(weights, prompts):
+    """Multi-turn: a trajectory paused at a turn stop (holding its K/V) when the weights are swapped with
+    kv=recompute loses its K/V; resumed with an observation it continues exactly as the new weights do on the whole
+    conversation so far (a fresh request), greedy tokens identical and log-probs within 1e-4."""
+    old, new = weights
+    plain = RolloutService(CFG, old, tp=1, instances=1, devices=jax.devices()[:1], **SERVICE)
+    plain.add(prompts[0], SamplingParams(max_new_tokens=12, temperature=0.0))
+    stop = plain.run()[0].tokens[3]                     # the greedy path's 4th token ends a turn
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, turn_stops=((stop,),))
+    svc = RolloutService(CFG, old, tp=1, instances=1, devices=jax.devices()[:1], **SERVICE)
+    (rid,) = svc.add(prompts[0], params)
+    first = next(c for c in svc.stream() if c.finish_reason == "turn")
+    report = svc.swap_weights(new, version=1, kv="recompute")
+    assert report == {"sequences": 1, "recomputed": PROMPT_LEN + len(first.tokens) - 1}
+    obs = [5, 6, 7]
+    svc.add_tokens(rid, obs)
+    second = next(c for c in svc.stream())
+    fresh = RolloutService(CFG, new, tp=1, instances=1, devices=jax.devices()[:1], **SERVICE)
+    conversation = list(prompts[0]) + first.tokens + obs
+    fresh.add(conversation, SamplingParams(max_new_tokens=24 - len(first.tokens) - len(obs), temperature=0.0,
+                                           turn_stops=((stop,),)))
+    want = next(c for c in fresh.stream())
+    n = len(first.tokens) + len(obs)
+    assert second.tokens[:n] == first.tokens + obs and second.tokens[n:] == want.tokens
+    np.testing.assert_allclose(second.logprobs[n:], want.logprobs, atol=LOGPROB_ATOL_F32)
+    assert second.token_versions() == [0] * len(first.tokens) + [1] * (len(second.tokens) - len(first.tokens))
