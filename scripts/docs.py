@@ -371,23 +371,21 @@ def pipeline() -> str:
 
 @renders("async-learning")
 def async_learning() -> str:
-    d = load("bench_async.json")
-    rows = []
+    d, rows = load("bench_async.json"), []
     for name, r in d["runs"].items():
-        overrides = r["command"].split("jaxrl.train ", 1)[1].split(" ", 1)[1]
-        w = [x for x in r["is_weight_mean"] if x is not None]
-        wmax = [x for x in r["is_weight_max"] if x is not None]
-        stale = [x for x in r["staleness_mean"] if x is not None]
-        rows.append([name, f"`{overrides}`", r["steps"], f"{r['reward_mean_first']:.3f} → {r['reward_mean_last']:.3f}",
-                     f"{sum(stale) / len(stale):.2f}" if stale else "0",
-                     f"{sum(w) / len(w):.3f} (max {max(wmax):.2f})" if w else "—", f"{r['wall_s'] / 60:.1f} min"])
-    verdict = "within" if d["reaches_sync"] else "**not** within"
+        w, wmax, stale = ([x for x in r[k] if x is not None]
+                          for k in ("is_weight_mean", "is_weight_max", "staleness_mean"))
+        rows.append([name, f"`{r['command'].split('jaxrl.train ', 1)[1].split(' ', 1)[1]}`", r["steps"],
+                     f"{r['reward_mean_first']:.3f} → {r['reward_mean_last']:.3f}", f"{sum(stale) / len(stale):.2f}"
+                     if stale else "0", f"{sum(w) / len(w):.3f} (max {max(wmax):.2f})" if w else "—",
+                     f"{r['wall_s'] / 60:.1f} min"])
     waited = sum(x for x in d["runs"]["k2"]["gen_wait_s"] if x is not None)
     return (table(["run", "overrides (quickstart)", "steps", "reward, first → last 20%", "mean token staleness",
                    "importance weight, mean of steps", "wall"], "lllrrrr", rows)
-            + f"\n\nk2's last-20% reward minus sync's: {d['last_reward_gap']:+.3f}, {verdict} the stated margin of "
-              f"{d['margin']}. The generation waited {waited:.0f} s in all at the swap points for updates not done "
-              f"yet (`async/gen_wait_s`; on 2 shared cores an update outlasts 16 decode steps).\n\n"
+            + f"\n\nk2's last-20% reward minus sync's: {d['last_reward_gap']:+.3f}, "
+              f"{'within' if d['reaches_sync'] else '**not** within'} the stated margin of {d['margin']}. The "
+              f"generation waited {waited:.0f} s in all at the swap points for updates not done yet "
+              "(`async/gen_wait_s`; on 2 shared cores an update outlasts 16 decode steps).\n\n"
               "![reward curves](../scripts/results/bench_async.png)\n\n" + footer("bench_async.json"))
 
 
