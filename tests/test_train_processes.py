@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jaxrl.train import balance
-from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, ROLLOUT_KEYS, ROOT, TINY, WARM_SKEW,
-                              _checkpoint_leaves, _env, _metrics, _one_process, _params, _train)
+from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, PPO_DEVICES, ROLLOUT_KEYS, ROOT, TINY,
+                              WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process, _params, _train, layout)
 
 
 # Settings of the N-process run only. stream_kv_two warms up (every bucket compiled ahead, its local K/V gather
@@ -39,14 +39,14 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments. pat_kv_four:
     PAT on 4 processes, every process switching its own pool at the same decode step on one agreed decision (the
     4 decision records equal), with the blockwise backward on the rollout's K/V the switch migrated."""
-    extra, procs = MODES[mode]
+    extra, procs, devices = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is
     # a sign there), amplifying that noise to ~1e-5; eps=1e-3 (COMMON; the critic's too) keeps the update
     # continuous in the gradient, so "within float tolerance" is what is actually compared.
-    one, many = _one_process(tmp_path_factory, extra), tmp_path / "many"
+    one, many = _one_process(tmp_path_factory, extra, devices), tmp_path / "many"
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(procs), sys.executable, "-m", "jaxrl.train",
-           f"run_dir={many}", *TINY, *COMMON, *extra, f"engine.instances={8 // procs}", *MANY_ONLY.get(mode, [])]
+           f"run_dir={many}", *TINY, *COMMON, *extra, *layout(devices, procs), *MANY_ONLY.get(mode, [])]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     m1, m2 = _metrics(one), _metrics(many)
@@ -92,12 +92,12 @@ def test_ppo_resume_restores_the_critic(tmp_path, tmp_path_factory):
     """PPO's run directory resumed from checkpoint 2 (policy, reference and the critic's weights and AdamW
     state) trains step 2 exactly as the uninterrupted run did: the same policy weights bit for bit and the
     same critic metrics (a critic restarted from the policy would give other values and value loss)."""
-    one = _one_process(tmp_path_factory, PPO)
+    one = _one_process(tmp_path_factory, PPO, PPO_DEVICES)
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copy(one / "config.yaml", resumed / "config.yaml")
     shutil.copytree(one / "checkpoints" / "2", resumed / "checkpoints" / "2")
-    out = _train(resumed, *COMMON, *PPO, "engine.instances=8", "save_every=1")
+    out = _train(resumed, *COMMON, *PPO, *layout(PPO_DEVICES), "save_every=1")
     assert "resumed" in out.stdout + out.stderr
     want, got = _metrics(one)[2], _metrics(resumed)
     assert len(got) == 1 and got[0]["step"] == 2 and want["critic/value_mean"] != 0.0
@@ -112,8 +112,8 @@ def test_ppo_with_the_blockwise_backward_matches_the_full_one(tmp_path, tmp_path
     recomputed K/V): the shared full-backward run's rollouts exactly and its policy and critic metrics
     within float32 rounding (the critic keeps the full backward; only the policy's gradient sums differ
     in summation order)."""
-    want = _metrics(_one_process(tmp_path_factory, PPO))
-    _train(tmp_path, *COMMON, *PPO, "engine.instances=8", "save_every=null", "trainer.backward=blockwise",
+    want = _metrics(_one_process(tmp_path_factory, PPO, PPO_DEVICES))
+    _train(tmp_path, *COMMON, *PPO, *layout(PPO_DEVICES), "save_every=null", "trainer.backward=blockwise",
            "trainer.block_size=16")
     got = _metrics(tmp_path)
     assert len(got) == len(want)

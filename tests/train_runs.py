@@ -288,23 +288,33 @@ PAT_KV = ["engine.tp=1", "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp
           "engine.adaptive_tp.candidates=[1, 2]", "engine.adaptive_tp.check_every=4", "engine.adaptive_tp.kv=migrate",
           "rewards.fn=tests.dense_reward:score", "trainer.backward=blockwise", "trainer.block_size=48",
           "trainer.kv_source=rollout"]
-MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4),
-         "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2),
-         "stream_two": (STREAM, 2), "stream_four": (STREAM, 4),
-         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"], 2),
-         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2),
-         "pat_kv_four": (PAT_KV, 4)}
-COMMON = ["steps=2", "save_every=null", "train_layout.fsdp=8", "optim.eps=1e-3", "warm_start.optim.eps=1e-3",
-          "critic.optim.eps=1e-3"]
+# (extra settings, N processes, devices in all: an fsdp mesh over all of them and one TP1 instance per device).
+# 4 devices where each process needs at most 2 (a 4-device run costs ~2/3 of an 8-device one's CPU: each fake
+# device is a thread that every collective waits for); 8 where each of 4 processes needs 2 (the stream trainer
+# frees half of its process's instances, PAT switches its process's pool from TP1 to TP2).
+MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4, 4),
+         "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2, 4),
+         "stream_two": (STREAM, 2, 4), "stream_four": (STREAM, 4, 8),
+         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"],
+                           2, 4),
+         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2, 4),
+         "pat_kv_four": (PAT_KV, 4, 8)}
+COMMON = ["steps=2", "save_every=null", "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "critic.optim.eps=1e-3"]
+PPO_DEVICES = MODES["ppo_two_balanced"][2]
 _ONE_PROCESS_RUNS = {}
 
 
-def _one_process(tmp_path_factory, extra):
-    """The 1-process x 8-device run of `COMMON + extra` (without the repartition, which has nothing to move
-    in one process), run once per session and shared by the tests that compare against it."""
-    key = tuple(COMMON + [x for x in extra if x != "trainer.repartition=tokens"])
+def layout(devices: int, procs: int = 1) -> list[str]:
+    """An fsdp mesh over `devices` and one TP1 instance per device, for each of `procs` processes."""
+    return [f"train_layout.fsdp={devices}", f"engine.instances={devices // procs}"]
+
+
+def _one_process(tmp_path_factory, extra, devices):
+    """The 1-process run of `COMMON + extra` on `devices` (`layout`; without the repartition, which has nothing
+    to move in one process), run once per session and shared by the tests that compare against it."""
+    key = tuple(COMMON + [x for x in extra if x != "trainer.repartition=tokens"] + layout(devices))
     if key not in _ONE_PROCESS_RUNS:
         _ONE_PROCESS_RUNS[key] = tmp_path_factory.mktemp("one")
-        _train(_ONE_PROCESS_RUNS[key], *key, "engine.instances=8", "save_every=1")
+        _train(_ONE_PROCESS_RUNS[key], *key, "save_every=1")
     return _ONE_PROCESS_RUNS[key]
 
