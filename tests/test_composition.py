@@ -12,7 +12,8 @@ import pytest
 from jaxrl.config.composition import MECHANISMS, RECIPES, check, overrides, recipe_config, recipe_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-REFUSED_AT_MOST = 5           # of the 120 pairs; lower it when a pair starts to compose, never raise it
+REFUSED_AT_MOST = 12          # of the 171 pairs; lower it when a pair starts to compose, never raise it (5 of
+                              # the first 120; the 7 more came with async_k2, weight_swap and gspo)
 
 
 def _script():

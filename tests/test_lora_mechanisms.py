@@ -123,10 +123,12 @@ def test_lora_run_kill_and_resume_is_bit_identical(tmp_path):
 
 @pytest.mark.processes
 def test_lora_two_processes_disaggregated_async_equal_one(tmp_path):
-    """LoRA on StreamRL's disaggregated pools, one-step-async, over 2 processes (DistFlow's multi-controller):
-    the same rollouts as one process and, within float32 tolerance, the same weights; both export the adapter."""
+    """LoRA on StreamRL's disaggregated pools, generation up to 2 versions ahead (trainer.max_staleness=2) with
+    the decoupled objective, over 2 processes (DistFlow's multi-controller): the same rollouts as one process
+    and, within float32 tolerance, the same weights and importance weights; both export the adapter."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["steps=2", "save_every=null", *LORA_RUN, "placement=disaggregated", "trainer.max_staleness=1"]
+    common = ["steps=3", "save_every=null", *LORA_RUN, "placement=disaggregated", "trainer.max_staleness=2",
+              "algo.objective=decoupled"]
     _train(one, *common)
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={two}",
            *TINY, *common, "engine.instances=2"]
@@ -135,9 +137,12 @@ def test_lora_two_processes_disaggregated_async_equal_one(tmp_path):
     m1, m2 = _metrics(one), _metrics(two)
     for key in ("reward_mean", "response_len_mean", "response_len_max"):
         assert [r[key] for r in m1] == [r[key] for r in m2], key
-    assert [r["placement/staleness"] for r in m2] == [0, 1]
-    # step 0 trains on its own rollout's log-probs (one-step-async's behaviour policy): the rollout sampled with
-    # the warmed base the update uses (not the base the instances were built with), so nothing is clipped
+    assert [r["placement/staleness"] for r in m2] == [0, 1, 2]
+    assert [r["async/lag2_frac"] for r in m2] == [0.0, 0.0, 1.0]
+    np.testing.assert_allclose([r["async/is_weight_mean"] for r in m2], [r["async/is_weight_mean"] for r in m1],
+                               rtol=1e-5)
+    # step 0 trains on its own rollout's log-probs (the behaviour policy): the rollout sampled with the warmed
+    # base the update uses (not the base the instances were built with), so nothing is clipped
     assert m1[0]["clip_frac"] == 0.0 and m2[0]["clip_frac"] == 0.0
     for a, b in zip(_params(one), _params(two)):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL_F32, rtol=0)
