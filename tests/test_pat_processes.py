@@ -133,8 +133,8 @@ def test_two_pools_switch_at_the_same_tick_and_a_pool_without_work_takes_part(we
 
 @pytest.mark.processes
 def test_two_process_train_run_agrees_on_every_switch(tmp_path):
-    """`python -m jaxrl.train` on 2 processes with PAT on a forcing profile: each process's pool (tp1x4 on its
-    own 4 devices) switches to tp4x1 in every step, and both processes' decision records (process 0's
+    """`python -m jaxrl.train` on 2 processes with PAT on a forcing profile: each process's pool (tp1x2 on its
+    own 2 devices) switches to tp2x1 in every step, and both processes' decision records (process 0's
     pat_decisions.jsonl, process 1's pat_decisions.process1.jsonl) show the same checks, at the same ticks,
     with the same choices, agreed between 2 processes."""
     import json
@@ -144,14 +144,14 @@ def test_two_process_train_run_agrees_on_every_switch(tmp_path):
     from tests.train_runs import ROOT, TINY, _env, _metrics
 
     prof = forcing_profile("large")
-    prof.key["devices"] = 4
+    prof.key["devices"] = 2
     prof.save(tmp_path / "prof.json")
     run = tmp_path / "run"
     cmd = [str(ROOT / "scripts" / "launch_local.sh"), "2", sys.executable, "-m", "jaxrl.train", f"run_dir={run}",
-           *TINY, "steps=2", "warm_start.steps=0", "save_every=null", "engine.tp=1", "engine.instances=4",
-           "train_layout.fsdp=8",
+           *TINY, "steps=2", "warm_start.steps=0", "save_every=null", "engine.tp=1", "engine.instances=2",
+           "train_layout.fsdp=4",
            "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp.profile={tmp_path / 'prof.json'}",
-           "engine.adaptive_tp.candidates=[1, 4]", "engine.adaptive_tp.check_every=4",
+           "engine.adaptive_tp.candidates=[1, 2]", "engine.adaptive_tp.check_every=4",
            "engine.adaptive_tp.kv=recompute"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
@@ -161,7 +161,7 @@ def test_two_process_train_run_agrees_on_every_switch(tmp_path):
     seen = [[(r["rl_step"], r["step"], r["current"], r["tp"], r["switch"]) for r in rs] for rs in recs]
     assert seen[0] == seen[1] and seen[0]
     assert all(r["actual"]["agreed"]["processes"] == 2 for rs in recs for r in rs)
-    assert [(s, cur, tp) for s, _, cur, tp, sw in seen[0] if sw] == [(0, 1, 4), (1, 1, 4)]
+    assert [(s, cur, tp) for s, _, cur, tp, sw in seen[0] if sw] == [(0, 1, 2), (1, 1, 2)]
 
 
 def test_committed_forcing_profile_is_current(tmp_path):
