@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # whole model and the longest responses decode at TP1 speed); the sweeps start at TP2 to save simulation time.
 PAT_SWEEP = ["sweep=engine.tp", "values=[2, 4, 8]"]
 
+ASYNC_K = (1, 2)
+ASYNC_SWEEP = ["sweep=cluster.gpus", "values=[8, 16, 32, 64, 128]"]
+ASYNC_ROW = "disaggregated+async_reward+async_steps"
+
 # name -> (recipe, extra command-line overrides)
 RECIPES = {
     "pat_llama8b_h100": ("pat_llama8b_h100.yaml", PAT_SWEEP),
@@ -45,6 +49,16 @@ RECIPES = {
                                 ["sweep=cluster.gpus", "values=[8, 16, 32, 64, 128, 256, 512]", "steps=2"]),
     # the curve's last point: one step (a step of 1024 GPUs' 16K sequences takes ~20 min to simulate on 2 cores)
     "distflow_qwen25_7b_h100_1024": ("distflow_qwen25_7b_h100.yaml", ["cluster.gpus=1024", "steps=1"]),
+    # asynchronous RL (issue 38): generation up to k versions ahead on disaggregated pools, 8-128 GPUs, beside the
+    # synchronous rows: colocated with one controller per process (multi_controller: the disaggregated rows have
+    # no single driver either), the single-controller baseline, disaggregated (k = 1's run). Every run
+    # simulates the baseline too (the split is computed from its stage times).
+    **{f"async_qwen25_7b_h100_k{k}": ("distflow_qwen25_7b_h100.yaml", [
+        "rows=[baseline, disaggregated+async_reward, 'disaggregated+async_reward+async_steps']" if k == 1 else
+        "rows=['disaggregated+async_reward+async_steps']", "steps=5", f"max_staleness={k}", *ASYNC_SWEEP])
+       for k in ASYNC_K},
+    "async_qwen25_7b_h100_sync": ("distflow_qwen25_7b_h100.yaml", ["rows=[multi_controller]", "steps=5",
+                                                                   *ASYNC_SWEEP]),
 }
 
 # The papers' figures (see jaxrl/sim/hardware.py and the README for where each comes from).
@@ -64,6 +78,9 @@ PAPER = {
                                   "speedup": 2.2, "per_2x_resources": 1.5},
     "distflow_qwen25_7b_h100": {"source": "DistFlow §7.2-7.3 (7B GRPO; Fig. 10, Fig. 11)", "speedup_128": 2.26,
                                 "retention_64_512": 0.805},
+    "async": {"verl_fully_async": {"source": "verl fully_async (Qwen2.5-7B, 128 GPUs, vs colocated synchronous)",
+                                   "speedup": [2.35, 2.67]},
+              "areal": {"source": "AReaL (vs synchronous, comparable accuracy)", "speedup": 2.77}},
 }
 
 # its files in scripts/results/ (tests/test_docs.py)
@@ -156,6 +173,31 @@ def sweep_table(s: dict, rows: list[str], metric: str = "tokens_per_s") -> str:
     return "\n".join(lines) + "\n"
 
 
+def async_table(by_k: dict[int, dict], sync: dict) -> tuple[str, dict]:
+    """Step throughput against k at each GPU count, as speed-ups in mean step time over the synchronous colocated
+    multi-controller row (`sync`'s run; the same GPUs and workload): the single-controller baseline and the
+    synchronous disaggregated row (k = 1's run), the async row of each k."""
+    def step_s(s, value, row):
+        p = next(p for p in s["points"] if str(p["value"]) == str(value))
+        return next(r["step_s"] for r in p["rows"] if r["row"] == row)
+
+    ks = sorted(by_k)
+    lines = ["| GPUs | sync colocated step s | sync, single controller | sync disaggregated | "
+             + " | ".join(f"async, k = {k}" for k in ks) + " |", "|---|---:|---:|---:|" + "---:|" * len(ks)]
+    out = {}
+    for p in sync["points"]:
+        g = p["value"]
+        ref = step_s(sync, g, "multi_controller")
+        single = ref / step_s(by_k[ks[0]], g, "baseline")
+        dis = ref / step_s(by_k[ks[0]], g, "disaggregated+async_reward")
+        sp = {k: ref / step_s(by_k[k], g, ASYNC_ROW) for k in ks}
+        out[str(g)] = {"sync_step_s": ref, "single_controller_speedup": single, "disaggregated_speedup": dis,
+                       "async_speedup": {str(k): v for k, v in sp.items()}}
+        lines.append(f"| {g} | {ref:.1f} | {single:.2f}x | {dis:.2f}x | " + " | ".join(f"{sp[k]:.2f}x" for k in ks)
+                     + " |")
+    return "\n".join(lines) + "\n", out
+
+
 def scaling_plot(s: dict, path: Path) -> dict:
     """DistFlow's scaling curve: tokens/s of both rows against GPUs, with linear scaling from 8 GPUs; returns
     each row's per-GPU throughput retention from 64 GPUs to the largest point."""
@@ -229,6 +271,13 @@ def main(argv=None) -> int:
         if name in results:
             metric = "prompts_per_s" if name == "rollpacker_scale_14b_h800" else "tokens_per_s"   # RollPacker Fig. 14
             md.append(f"#### {name}\n\n" + sweep_table(results[name]["summary"], rows, metric))
+    by_k = {k: results[f"async_qwen25_7b_h100_k{k}"]["summary"] for k in ASYNC_K
+            if f"async_qwen25_7b_h100_k{k}" in results}
+    if 1 in by_k and "async_qwen25_7b_h100_sync" in results:
+        text, points = async_table(by_k, results["async_qwen25_7b_h100_sync"]["summary"])
+        results["async"] = {"points": points, "paper": PAPER["async"]}
+        md.append("#### Asynchronous RL: step throughput vs k (speed-up over synchronous colocated, one controller "
+                  "per process)\n\n" + text)
     if "streamrl_qwen25_14b_h800" in results:
         md.append("#### streamrl_qwen25_14b_h800\n\n" + rows_table(results["streamrl_qwen25_14b_h800"]["summary"]))
     out.write_text(json.dumps(results, indent=1, default=float))
