@@ -7,10 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SIM = "bench_sim_cluster.json"
+SIM_WHO = ("simulated on the analytic GPU presets (`jaxrl/sim/hardware.py`; virtual time); the host that ran "
+           "the simulator: not recorded")
+SIM_FIT = "sim_fit.json"
 
 
-def register(renders, load, table, footer, machine, _load_module):
-
+def register(renders, load, table, footer, machine, load_module):
     @renders("sim-validation")
     def sim_validation() -> str:
         d = load("bench_sim_validation.json")
@@ -29,44 +32,32 @@ def register(renders, load, table, footer, machine, _load_module):
                 + f"\n\nAll rows together: {d['total_time_error']:+.1%}; the largest single-step error "
                   f"{d['max_abs_time_error']:.0%}.\n\n" + footer("bench_sim_validation.json"))
 
-
-    SIM = "bench_sim_cluster.json"
-    SIM_WHO = ("simulated on the analytic GPU presets (`jaxrl/sim/hardware.py`; virtual time); the host that ran "
-               "the simulator: not recorded")
-
-
     def _sim():
         """bench_sim_cluster.py's own table functions (one formatting for its .md and for these pages)."""
-        return _load_module("bench_sim_cluster", ROOT / "scripts" / "bench_sim_cluster.py"), load(SIM)
-
+        return load_module("bench_sim_cluster", ROOT / "scripts" / "bench_sim_cluster.py"), load(SIM)
 
     def _sim_block(text: str) -> str:
         return text.rstrip("\n") + "\n\n" + footer(SIM, who=SIM_WHO)
-
 
     def _sim_pat(run: str, cap: int) -> str:
         """One PAT recipe's table (responses capped at `cap` tokens)."""
         b, d = _sim()
         return _sim_block(b.pat_table(run, d[run]["summary"], cap)[0])
 
-
     def _sim_summary(run: str) -> str:
         """One recipe's rows, as jaxrl/sim/report.py prints them."""
-        report = _load_module("jaxrl_sim_report", ROOT / "jaxrl" / "sim" / "report.py")
+        report = load_module("jaxrl_sim_report", ROOT / "jaxrl" / "sim" / "report.py")
         return _sim_block(report.table(_sim()[1][run]["summary"]["rows"]))
-
 
     renders("sim-pat-llama8b")(lambda: _sim_pat("pat_llama8b_h100", 24576))
     renders("sim-pat-qwen14b")(lambda: _sim_pat("pat_qwen3_14b_h100", 16384))
     renders("sim-rollpacker-14b")(lambda: _sim_summary("rollpacker_qwen25_14b_h800"))
     renders("sim-streamrl")(lambda: _sim_summary("streamrl_qwen25_14b_h800"))
 
-
     @renders("sim-pat-nodes")
     def sim_pat_nodes() -> str:
         b, d = _sim()
         return _sim_block(b.sweep_table(d["pat_llama8b_h100_nodes"]["summary"], ["baseline", "pat"]))
-
 
     @renders("sim-rollpacker-ladder")
     def sim_rollpacker_ladder() -> str:
@@ -74,28 +65,21 @@ def register(renders, load, table, footer, machine, _load_module):
         names = ("rollpacker_qwen25_7b_h800", "rollpacker_qwen25_14b_h800", "rollpacker_qwen25_32b_h800")
         return _sim_block(b.ladder_table({n: d[n]["summary"] for n in names}))
 
-
     @renders("sim-rollpacker-scale")
     def sim_rollpacker_scale() -> str:
         b, d = _sim()
         return _sim_block(b.sweep_table(d["rollpacker_scale_14b_h800"]["summary"], ["baseline", "rollpacker"],
                                         "prompts_per_s"))
 
-
     @renders("sim-distflow")
     def sim_distflow() -> str:
         b, d = _sim()
         return _sim_block(b.sweep_table(d["distflow_qwen25_7b_h100"]["summary"], ["baseline", "distflow"]))
 
-
-    SIM_FIT = "sim_fit.json"
-
-
     def _sim_fit_footer(d: dict) -> str:
         return (f"*Computed from the code and the committed simulator runs (`scripts/results/{SIM}`); no figure "
                 f"depends on the machine that computed it ({machine(d)}). Rendered from `scripts/results/{SIM_FIT}` "
                 f"by `scripts/docs.py`.*")
-
 
     @renders("sim-fit-fitted")
     def sim_fit_fitted() -> str:
@@ -110,7 +94,6 @@ def register(renders, load, table, footer, machine, _load_module):
                  + (" (stale)" if f["tolerance"].startswith("stale") else ""), used(f["points"])] for f in d["fitted"]]
         return (table(["constant", "fitted", "in use", "in use vs fit", "points it is fitted to"], "lrrrl", rows)
                 + "\n\n" + _sim_fit_footer(d))
-
 
     @renders("sim-fit-held-out")
     def sim_fit_held_out() -> str:

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from jaxrl.train import balance
-from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, PPO_DEVICES, ROLLOUT_KEYS, ROOT, TINY,
-                              WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process, _params, _train, layout)
+from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, PPO_DEVICES, ROLLOUT_KEYS, ROOT,
+                              TINY, WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process, _params, _train,
+                              layout)
 
 
 # Settings of the N-process run only. stream_kv_two warms up (every bucket compiled ahead, its local K/V gather

@@ -295,8 +295,8 @@ PAT_KV = ["engine.tp=1", "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4, 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2, 4),
          "stream_two": (STREAM, 2, 4), "stream_four": (STREAM, 4, 8),
-         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48", "trainer.kv_source=rollout"],
-                           2, 4),
+         "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48",
+                                     "trainer.kv_source=rollout"], 2, 4),
          "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2, 4),
          "pat_kv_four": (PAT_KV, 4, 8)}
 COMMON = ["steps=2", "save_every=null", "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "critic.optim.eps=1e-3"]
