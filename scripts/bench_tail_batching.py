@@ -11,11 +11,15 @@ its prompt says — the long tail is real decode work, not a sleep. (All respons
 long, so response speculation has nothing to cut here and its extra 25% of sequences is pure overhead;
 the engine test in tests/test_tail_batching.py covers it with varied lengths.)
 
-Both schedules roll out the same prompt stream with the same engine and weights (no training: the
+The schedules roll out the same prompt stream with the same engine and weights (no training: the
 measure is rollout time): tail batching draws ⌈1.25·P0⌉ prompts per short round and runs a long round
-whenever its queue holds P0 prompts; the synchronous baseline draws P0 prompts per step, in the same
-stream order. Steps alternate (tail step, sync step, ...) over whole periods (4 short + 1 long), so both
-see the same machine state; after the last period both have trained the same prompts. Reported per
+whenever its queue holds P0 prompts; `carry` is the same with slime's carried partial responses
+(`rollout.tail_batching.carry_partial`: a deferred prompt's responses keep their tokens and the long round
+continues them; no training, so no token is stale); the synchronous baseline draws P0 prompts per step, in
+the same stream order. Steps alternate (tail step, carry step, sync step, ...) over whole periods (4 short +
+1 long), so all see the same machine state; after the last period all have trained the same prompts. A
+carried token counts as decoded in the round that decoded it, not as wasted, and not again when resumed (the
+re-prefill of a resumed response's prompt + tokens is priced below as one decode row, which it is not quite). Reported per
 schedule: rollout seconds per trained prompt, engine (decode) steps, decoded and wasted tokens; `speedup`
 = sync seconds per trained prompt / tail batching's. The engine is warmed (every step shape compiled)
 before anything is timed.
@@ -102,7 +106,7 @@ def roofline(cfg_m, traces: dict[str, list[list[int]]], peak_json: Path) -> dict
                      "bandwidth": hw.hbm_bw * hw.hbm_efficiency, "dtype_bytes": nbytes,
                      "weights_read_bytes": cost.read_bytes,
                      **{f"{k}_decode_s": v for k, v in secs.items()},
-                     "speedup": secs["sync"] / secs["tail_batching"]}
+                     "speedup": secs["sync"] / secs["tail_batching"], "carry_speedup": secs["sync"] / secs["carry"]}
     return out
 
 
@@ -151,11 +155,13 @@ def run(args) -> dict:
     cfg = dataclasses.replace(base, algo=dataclasses.replace(base.algo, group_size=R0, prompts_per_step=P0),
                               rollout=dataclasses.replace(base.rollout, max_new_tokens=args.max_len, temperature=1.0))
     tb = TailBatcher(P0, R0, args.eta, args.eta)
+    tc = TailBatcher(P0, R0, args.eta, args.eta, carry_partial=True, max_tokens=args.max_len)   # slime's carry
     period_prompts = 5 * P0                         # 4 short rounds draw 4 * P0/4 extra = one long round
     dataset = make_task(args.periods * period_prompts * 2, args.median, args.sigma, args.max_len, cfg_m.vocab_size,
                         args.seed)
     lengths = np.asarray([r["length"] for r in dataset])
     tail_loader = DataLoader(dataset, tb.launch, seed=args.seed)
+    carry_loader = DataLoader(dataset, tb.launch, seed=args.seed)
     sync_loader = DataLoader(dataset, P0, seed=args.seed)          # the same stream, P0 at a time
     max_seqs = tb.launch * tb.responses
     page = 16
@@ -166,37 +172,44 @@ def run(args) -> dict:
     compiled = svc.warm([sample])
     warm_s = time.perf_counter() - t0
     trace = StepTrace(svc)
-    traces = {"tail_batching": [], "sync": []}
+    traces = {"tail_batching": [], "carry": [], "sync": []}
 
     def params_fn(row, params):
         return dataclasses.replace(params, max_new_tokens=row["length"])
 
-    def one(kind_rows, race, responses, step, schedule):
+    def one(kind_rows, race, responses, step, schedule, carried=None):
         prompts = [r["prompt_ids"] for r in kind_rows]
+        carry = schedule == "carry"
         t = time.perf_counter()
         comps, _, st = rl.rollout_and_score(svc, pool, _Tok(), cfg, prompts, kind_rows, step, (), race=race,
-                                            responses=responses, params_fn=params_fn)
+                                            responses=responses, params_fn=params_fn, carried=carried, carry=carry)
         sec = time.perf_counter() - t
         rows = trace.take()
         traces[schedule] += rows
+        carried_in = sum(len(p.tokens) for e in carried or () if e for p in e[1])
+        carried_out = sum(len(p.tokens) for parts in st.get("partials", {}).values() for p in parts)
         return {"seconds": sec, "engine_steps": st["engine_steps"], "decode_rows": sum(len(r) for r in rows),
                 "trained": len(st["accepted"]),
-                "decoded_tokens": sum(len(c.tokens) for c in comps) + st["wasted_tokens"],
-                "wasted_tokens": st["wasted_tokens"], "max_len": max(len(c.tokens) for c in comps),
-                "lengths": [r["length"] for r in kind_rows], "responses": responses}, st["accepted"]
+                "decoded_tokens": sum(len(c.tokens) for c in comps) - carried_in + st["wasted_tokens"],
+                "wasted_tokens": st["wasted_tokens"] - carried_out, "carried_in": carried_in,
+                "carried_out": carried_out,
+                "fresh_sequences": len(kind_rows) * responses - sum(len(e[1]) for e in carried or () if e),
+                "max_len": max(len(c.tokens) for c in comps),
+                "lengths": [r["length"] for r in kind_rows], "responses": responses}, st
 
     steps = []
     with RewardPool(num_workers=0) as pool:
         for step in range(args.periods * 5):
-            plan = tb.plan(lambda: next(tail_loader), dataset, step)
-            race = Race(plan.keys, plan.responses, plan.keep, plan.accept) if plan.kind == "short" else None
-            got, accepted = one(plan.rows, race, plan.responses, step, "tail_batching")
-            row = {"step": step, "kind": plan.kind, **got}
-            tb.settle(plan, accepted, step)
-            row["queue"] = len(tb.queue)
-            steps.append({"schedule": "tail_batching", **row})
-            print(f"[tail] step {step} {plan.kind:5s} {row['seconds']:.2f} s, {row['engine_steps']} engine steps, "
-                  f"max len {row['max_len']}, queue {row['queue']}", flush=True)
+            for name, batcher, loader in (("tail_batching", tb, tail_loader), ("carry", tc, carry_loader)):
+                plan = batcher.plan(lambda: next(loader), dataset, step)
+                race = Race(plan.keys, plan.responses, plan.keep, plan.accept) if plan.kind == "short" else None
+                got, st = one(plan.rows, race, plan.responses, step, name, plan.carried)
+                row = {"step": step, "kind": plan.kind, **got}
+                batcher.settle(plan, st["accepted"], step, partials=st.get("partials"))
+                row["queue"] = len(batcher.queue)
+                steps.append({"schedule": name, **row})
+                print(f"[{name}] step {step} {plan.kind:5s} {row['seconds']:.2f} s, {row['engine_steps']} engine "
+                      f"steps, max len {row['max_len']}, queue {row['queue']}, carried {row['carried_in']}", flush=True)
             rows = next(sync_loader)
             srow = {"step": step, "kind": "sync", **one(rows, None, R0, step, "sync")[0]}
             steps.append({"schedule": "sync", **srow})
@@ -208,17 +221,20 @@ def run(args) -> dict:
            "length_p99_over_median": float(np.percentile(lengths, 99) / np.median(lengths)),
            "max_len": args.max_len, "warmup_compiles": compiled, "warmup_s": warm_s,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "steps": steps}
-    for name in ("tail_batching", "sync"):
+    for name in ("tail_batching", "carry", "sync"):
         rows = [s for s in steps if s["schedule"] == name]
         trained = sum(s["trained"] for s in rows)
         out[name] = {"seconds": sum(s["seconds"] for s in rows), "trained_prompts": trained,
                      "seconds_per_trained_prompt": sum(s["seconds"] for s in rows) / trained,
                      "engine_steps": sum(s["engine_steps"] for s in rows),
                      "decoded_tokens": sum(s["decoded_tokens"] for s in rows),
-                     "wasted_tokens": sum(s["wasted_tokens"] for s in rows)}
+                     "wasted_tokens": sum(s["wasted_tokens"] for s in rows),
+                     "carried_tokens": sum(s["carried_in"] for s in rows)}
     out["speedup"] = out["sync"]["seconds_per_trained_prompt"] / out["tail_batching"]["seconds_per_trained_prompt"]
     out["engine_step_ratio"] = out["sync"]["engine_steps"] / out["tail_batching"]["engine_steps"]
-    for name in ("tail_batching", "sync"):
+    out["carry_speedup"] = out["sync"]["seconds_per_trained_prompt"] / out["carry"]["seconds_per_trained_prompt"]
+    out["carry_engine_step_ratio"] = out["sync"]["engine_steps"] / out["carry"]["engine_steps"]
+    for name in ("tail_batching", "carry", "sync"):
         n = out[name]
         n["traced_steps"] = len(traces[name])
         n["decode_steps"] = sum(1 for r in traces[name] if r)
@@ -237,14 +253,18 @@ def plot(out: dict, path: Path) -> None:
     n = out["periods"] * 5
     sync = [s["seconds"] for s in out["steps"] if s["schedule"] == "sync"]
     tail = [s for s in out["steps"] if s["schedule"] == "tail_batching"]
+    carry = [s for s in out["steps"] if s["schedule"] == "carry"]
     x = np.arange(n)
-    ax.bar(x - 0.2, sync, 0.4, label="synchronous", color="tab:gray")
-    ax.bar(x + 0.2, [s["seconds"] for s in tail], 0.4, label="tail batching",
+    ax.bar(x - 0.27, sync, 0.27, label="synchronous", color="tab:gray")
+    ax.bar(x, [s["seconds"] for s in tail], 0.27, label="tail batching",
            color=["tab:red" if s["kind"] == "long" else "tab:blue" for s in tail])
-    ax.set_xlabel("RL step (red: long round)")
+    ax.bar(x + 0.27, [s["seconds"] for s in carry], 0.27, label="+ carried partials",
+           color=["tab:orange" if s["kind"] == "long" else "tab:cyan" for s in carry])
+    ax.set_xlabel("RL step (red/orange: long round)")
     ax.set_ylabel("rollout seconds")
-    ax.set_title(f"tail batching: {out['speedup']:.2f}x rollout time per trained prompt (CPU, P0={out['prompts_per_step']}, "
-                 f"R0={out['group_size']})", fontsize=9)
+    ax.set_title(f"rollout time per trained prompt vs synchronous (CPU, P0={out['prompts_per_step']}, "
+                 f"R0={out['group_size']}): tail batching {out['speedup']:.2f}x, with carried partials "
+                 f"{out['carry_speedup']:.2f}x", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -282,7 +302,9 @@ def main(argv=None):
     plot(out, path.with_suffix(".png"))
     rl = out["roofline"]
     print(f"speedup {out['speedup']:.2f}x (engine steps {out['engine_step_ratio']:.2f}x fewer; at the roofline: "
-          f"{rl['cpu']['speedup']:.2f}x on this CPU, {rl['h100']['speedup']:.2f}x on an H100); wrote {path}")
+          f"{rl['cpu']['speedup']:.2f}x on this CPU, {rl['h100']['speedup']:.2f}x on an H100); with carried "
+          f"partials {out['carry_speedup']:.2f}x ({out['carry_engine_step_ratio']:.2f}x fewer engine steps; "
+          f"roofline {rl['cpu']['carry_speedup']:.2f}x CPU, {rl['h100']['carry_speedup']:.2f}x H100); wrote {path}")
     return out
 
 

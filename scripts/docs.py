@@ -305,7 +305,10 @@ def tail_batching() -> str:
     roof = d["roofline"]
     rows = []
     for key, label in (("sync", "synchronous"),
-                       ("tail_batching", f"tail batching (η {d['eta_prompts']:g} / {d['eta_responses']:g})")):
+                       ("tail_batching", f"tail batching (η {d['eta_prompts']:g} / {d['eta_responses']:g})"),
+                       ("carry", "tail batching + carried partials (slime)")):
+        if key not in d:       # (a JSON from before the carry schedule)
+            continue
         s = d[key]
         rows.append([label, f"{s['seconds']:.1f}", f"{s['seconds_per_trained_prompt']:.3f}", s["engine_steps"],
                      f"{s['decode_rows_per_step']:.1f}", f"{1000 * s['seconds_per_engine_step']:.1f}",
@@ -316,8 +319,11 @@ def tail_batching() -> str:
                    "decoded tokens (wasted)", "tok/s", "decode s at this CPU's roofline", "at an H100's"],
                   "llllllllll", rows)
             + f"\n\n`speedup` {d['speedup']:.2f}×; {d['engine_step_ratio']:.2f}× fewer engine steps; at the roofline "
-              f"{roof['cpu']['speedup']:.2f}× (this CPU), {roof['h100']['speedup']:.2f}× (H100).\n\n"
-            + footer("bench_tail_batching.json"))
+              f"{roof['cpu']['speedup']:.2f}× (this CPU), {roof['h100']['speedup']:.2f}× (H100)."
+            + (f" With carried partials: {d['carry_speedup']:.2f}×; {d['carry_engine_step_ratio']:.2f}× fewer engine "
+               f"steps; at the roofline {roof['cpu']['carry_speedup']:.2f}× (this CPU), "
+               f"{roof['h100']['carry_speedup']:.2f}× (H100)." if "carry" in d else "")
+            + "\n\n" + footer("bench_tail_batching.json"))
 
 
 @renders("code-rewards")

@@ -13,7 +13,8 @@ quickstart with `engine.instances=4 train_layout.fsdp=4`) at the tests' tiny siz
 (`tests.pat_profiles.forcing_profile`). Each run is a fresh process with the devices it needs.
 
 It writes scripts/results/pair_runs.json: per pair, whether the run finished, its seconds and, when it failed,
-the last lines it printed. What it does not check: that the pair's result is right (the tests compare the
+the last lines it printed (a pair with carry_partial must also have resumed carried responses in its long
+round, `tail/carried_samples`). What it does not check: that the pair's result is right (the tests compare the
 pairs they cover with their synchronous twins); here a pair only has to run.
 """
 
@@ -68,9 +69,15 @@ def run_pair(a: str, b: str, timeout: int) -> dict:
             code, out = "timeout", got.decode(errors="replace") if isinstance(got, bytes) else got
         seconds = time.perf_counter() - t0
         rows = Path(tmp) / "run" / "metrics.jsonl"
-        steps = len(rows.read_text().splitlines()) if rows.exists() else 0
-    ok = code == 0 and steps == 2
+        rows = [json.loads(line) for line in rows.read_text().splitlines()] if rows.exists() else []
+    steps = len(rows)
+    carried = sum(r.get("tail/carried_samples", 0) for r in rows)
+    long_rounds = sum(r.get("tail/long_round", 0) for r in rows)
+    # carry_partial's declared η_p = 2 defers a whole batch in step 0, so step 1 is a long round (unless dynamic
+    # sampling dropped the deferred groups) that must resume some of their responses
+    ok = code == 0 and steps == 2 and (carried > 0 or not long_rounds or "carry_partial" not in (a, b))
     return {"a": a, "b": b, "ran": ok, "exit": code, "steps": steps, "seconds": round(seconds, 1),
+            **({"long_rounds": long_rounds, "carried_samples": carried} if "carry_partial" in (a, b) else {}),
             "command": " ".join(["python -m jaxrl.train", *[w for w in cmd if "=" in w and "run_dir=" not in w]]),
             "error": None if ok else "\n".join(out.strip().splitlines()[-15:])}
 

@@ -15,8 +15,8 @@ import pytest
 
 from jaxrl.train import balance
 from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, PPO_DEVICES, ROLLOUT_KEYS, ROOT,
-                              TINY, WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process, _params, _train,
-                              layout)
+                              TAIL, TAIL_KINDS, TINY, WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process,
+                              _params, _train, layout)
 
 
 # Settings of the N-process run only. stream_kv_two warms up (every bucket compiled ahead, its local K/V gather
@@ -139,10 +139,12 @@ def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, 
     next rollout at its 3rd engine step (staged on the train pool's thread, process 1's staging delayed by 1 s:
     tests/delayed_stage.py), the next rollouts' agreements between the processes (key-value store) running
     while the update's device collectives run on the train pool's thread (2 processes:
-    tests/test_lora_mechanisms.py's disaggregated async run)."""
+    tests/test_lora_mechanisms.py's disaggregated async run); on tail batching's rounds with slime's carried
+    partial responses: the long round (step 2) resumes on each process responses that others sampled."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["steps=3" if asynchronous else "steps=2", "save_every=null", *POOLS, "placement=disaggregated"]
-    common += ["trainer.max_staleness=2", "algo.objective=decoupled", "trainer.swap_step=3"] if asynchronous else []
+    common += ["trainer.max_staleness=2", "algo.objective=decoupled", "trainer.swap_step=3", *TAIL,
+               "rollout.tail_batching.carry_partial=true"] if asynchronous else []
     entry, one_extra, many_extra = ["-m", "jaxrl.train"], [], [f"engine.instances={4 // procs}"]
     if asynchronous:         # process 1's staging of each swapped update is 1 s late
         entry = [str(ROOT / "tests" / "delayed_stage.py")]
@@ -164,8 +166,10 @@ def test_disaggregated_processes_equal_one(tmp_path, monkeypatch, asynchronous, 
     if asynchronous:         # steps 1 and 2 trained on rollouts of the weights one and two steps behind
         assert {r["placement/gen_devices"] for r in m2} == {1}
         assert [r["placement/staleness"] for r in m2] == [0, 1, 1]      # (rollout 2 made after a swap)
-        for key in ("async/lag0_frac", "async/lag1_frac", "async/swap_step"):   # (swapped_sequences: process 0's)
+        for key in ("async/lag0_frac", "async/lag1_frac", "async/lag2_frac", "async/swap_step", "tail/long_round",
+                    "tail/carried_samples", "tail/carried_tokens", "tail/queue_len"):   # (swapped_sequences: process 0's)
             assert [r[key] for r in m1] == [r[key] for r in m2], key
+        assert [r["tail/long_round"] for r in m2] == TAIL_KINDS[:3] and m2[2]["tail/carried_samples"] > 0
         assert max(r["async/gen_wait_s"] for r in m2[:2]) >= 0.5       # process 0's swap waited for process 1
         np.testing.assert_allclose([r["async/is_weight_mean"] for r in m2], [r["async/is_weight_mean"] for r in m1],
                                    rtol=1e-5)

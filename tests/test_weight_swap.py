@@ -9,6 +9,8 @@ whole continuation is the greedy one) and the log-probs agree within the float32
 the earlier positions in decode steps, the twin in one block). Before the swap every token equals the run that
 never swapped. On one TP1 instance and on two TP2 instances (4 devices), with the in-flight step drained."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,63 @@ def test_recompute_swap_while_paused_at_a_turn_equals_the_new_weights_on_the_con
     assert second.tokens[:n] == first.tokens + obs and second.tokens[n:] == want.tokens
     np.testing.assert_allclose(second.logprobs[n:], want.logprobs, atol=LOGPROB_ATOL_F32)
     assert second.token_versions() == [0] * len(first.tokens) + [1] * (len(second.tokens) - len(first.tokens))
+
+
+def _abort_after(svc, rids, steps):
+    """Run `steps` engine steps, then abort every request still live; returns {rid: completion}."""
+    done = {}
+    for _ in range(steps):
+        done.update({c.request_id: c for c in svc.step()})
+    for rid in rids:
+        if rid not in done:
+            done[rid] = svc.abort(rid)
+    return done
+
+
+@pytest.mark.parametrize("new_weights", [False, True])
+def test_a_carried_partial_response_resumes_as_if_never_aborted(weights, prompts, new_weights):
+    """Carried partial responses (`jaxrl.rollout.partial_carry`, `RolloutService.resume`): a response aborted
+    after SWAP_AFTER steps and resumed in another service continues exactly as the uninterrupted one: sampled
+    (temperature 1, per-sample seeds) on the same weights, the same tokens; on new weights, what a kv=recompute
+    swap at that point gives: the dense twin's greedy tokens over K/V the new weights recomputed. Log-probs
+    within 1e-4 (the resumed prefix is prefilled, not decoded), and each token keeps the version that sampled
+    it."""
+    from jaxrl.rollout.partial_carry import Partial, resume_group
+
+    old, new = weights
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0 if new_weights else 1.0, n=2, seed=11)
+    svc = RolloutService(CFG, old, tp=1, instances=1, devices=jax.devices()[:1], **SERVICE)
+    rids = [svc.add(p, params) for p in prompts[:2]]
+    parts = _abort_after(svc, [r for g in rids for r in g], SWAP_AFTER)
+    ref = RolloutService(CFG, old, tp=1, instances=1, devices=jax.devices()[:1], **SERVICE)
+    for p in prompts[:2]:
+        ref.add(p, params)
+    want = {c.request_id: c for c in ref.run()}            # never aborted, on the old weights
+    later = RolloutService(CFG, new if new_weights else old, tp=1, instances=1, devices=jax.devices()[:1], **SERVICE)
+    later.version = 1 if new_weights else 0
+    slots = {}
+    for i, group in enumerate(rids):
+        carried = [Partial.of(j, parts[rid], 0) for j, rid in enumerate(group)]
+        assert all(0 < len(c.tokens) < MAX_NEW and not c.finished for c in carried)
+        got, done = resume_group(later, prompts[i], params, carried, params.seed)
+        assert not done and None not in got
+        slots.update({rid: group[j] for j, rid in enumerate(got)})
+    out = {slots[c.request_id]: dataclasses.replace(c, request_id=slots[c.request_id]) for c in later.run()}
+    assert sorted(out) == sorted(want) == [0, 1, 2, 3]
+    for rid, c in out.items():
+        b = len(parts[rid].tokens)
+        assert c.tokens[:b] == want[rid].tokens[:b] and c.logprobs[:b] == list(parts[rid].logprobs)
+        assert c.token_versions() == [0] * b + [later.version] * (MAX_NEW - b)
+        if not new_weights:
+            assert c.tokens == want[rid].tokens
+            np.testing.assert_allclose(c.logprobs, want[rid].logprobs, atol=LOGPROB_ATOL_F32)
+    if new_weights:              # the new weights from token b on, over K/V they recomputed: the dense twin's
+        comps = [out[r] for r in sorted(out)]
+        logp, b = twin(weights, prompts, comps, "recompute")
+        for i, c in enumerate(comps):
+            cont = np.asarray(c.tokens[b:])
+            np.testing.assert_array_equal(logp[i].argmax(-1), cont)
+            np.testing.assert_allclose(c.logprobs[b:], logp[i, np.arange(len(cont)), cont], atol=LOGPROB_ATOL_F32)
+        assert any(c.tokens[b:] != want[r].tokens[b:] for r, c in out.items())    # the new weights changed them
+    else:                        # the sampled continuations differ between samples: the seeds were kept apart
+        assert len({tuple(c.tokens) for c in out.values()}) == len(out)

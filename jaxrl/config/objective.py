@@ -46,3 +46,25 @@ def check_objective(cfg) -> None:
     if a.advantage == "gae":
         raise ConfigError("algo.objective", f"{a.objective} with algo.advantage=gae: PPO with a critic trains "
                           "with objective=ppo")
+
+
+def check_carry(cfg) -> None:
+    """Refuse, naming the key, what carried partial responses (rollout.tail_batching.carry_partial) cannot run
+    with, and a staleness rule that would carry nothing."""
+    t, a = cfg.trainer, cfg.algo
+    if t.stale_samples == "correct" and a.objective != "decoupled":
+        raise ConfigError("trainer.stale_samples", f"correct with algo.objective={a.objective}: the correction is "
+                          "decoupled PPO's importance weight; set algo.objective=decoupled")
+    if not cfg.rollout.tail_batching.carry_partial:
+        return
+    why = "rollout.tail_batching.carry_partial"
+    if cfg.rollout.env is not None:
+        raise ConfigError(why, f"with rollout.env={cfg.rollout.env}: an environment's state is not carried "
+                          "across rounds")
+    if t.backward == "blockwise" and t.kv_source == "rollout":
+        raise ConfigError(why, "with trainer.kv_source=rollout: a carried response that had finished has no K/V "
+                          "left in the engine; use trainer.kv_source=recompute")
+    if t.stale_samples == "drop" and t.max_staleness == 0:
+        raise ConfigError("trainer.stale_samples", f"drop with {why} and trainer.max_staleness=0: every carried "
+                          "token is at least one version old, so all would be dropped; set "
+                          "trainer.stale_samples=correct (with algo.objective=decoupled) or max_staleness >= 1")

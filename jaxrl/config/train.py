@@ -11,11 +11,12 @@ from .base import ConfigError, Section, check_choice, check_float, check_int, ch
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
+STALE_RULES = ("drop", "correct")             # trainer.stale_samples (`jaxrl.rollout.partial_carry`)
 SWAP_KV = ("keep", "recompute")                # trainer.swap_kv (`RolloutService.swap_weights`)
 REPARTITIONS = ("none", "tokens")              # trainer.repartition (jaxrl.flow.databuffer)
 from .rewards import AdaptiveTimeoutSection, SandboxSection
 from .stream import StreamSection, check_stream
-from .objective import check_objective, check_objective_fields
+from .objective import check_carry, check_objective, check_objective_fields
 from .placement import StageBalanceSection, check_placement
 from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
@@ -141,6 +142,7 @@ class TrainerSection(Section):
     max_staleness: int = 0               # k: generation runs up to k policy versions ahead of training (0: synchronous)
     swap_step: int | None = None         # max_staleness >= 1: the update enters the next rollout at its swap_step-th engine step (null: between rollouts)
     swap_kv: str = "keep"                # swap_step: the in-flight sequences' K/V kept (keep) or recomputed on the new weights
+    stale_samples: str = "drop"          # a carried response older than max_staleness versions: drop (generated afresh) or correct (decoupled IS weight)
     repartition: str = "none"            # DistFlow databuffer before packing: none (each process trains its own samples) or tokens (balanced over processes)
 
     def __post_init__(self):
@@ -155,6 +157,7 @@ class TrainerSection(Section):
         if self.swap_step is not None:
             check_int("swap_step", self.swap_step, minimum=1)
         check_choice("swap_kv", self.swap_kv, SWAP_KV)
+        check_choice("stale_samples", self.stale_samples, STALE_RULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +293,7 @@ class TrainConfig(Section):
         check_stream(self.trainer.stream, self)
         check_placement(self)
         check_objective(self)
+        check_carry(self)
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ConfigError("engine.max_seq_len", f"data.max_prompt_len {self.data.max_prompt_len} + "

@@ -23,18 +23,27 @@ class TailBatchingSection(Section):
 
     `dynamic_sampling` (DAPO, `jaxrl.train.rounds`): groups whose rewards are all equal are dropped (neither
     trained nor queued) and a short round draws up to `max_waves` speculative waves until P0 prompts with
-    unequal rewards are kept."""
+    unequal rewards are kept.
+
+    `carry_partial` (slime's partial rollouts, `jaxrl.rollout.partial_carry`): a deferred prompt keeps R0 of
+    its responses as they stood (tokens, log-probs, each token's weights version) and the long round continues
+    them instead of starting again; tokens older than trainer.max_staleness versions follow
+    trainer.stale_samples. slime's own setting: eta_responses=1 (n responses per prompt), eta_prompts > 1."""
 
     enabled: bool = False                # speculative short rounds + long rounds from the long-prompt queue
     eta_prompts: float = 1.25            # short round: prompts launched / prompts kept (>= 1)
     eta_responses: float = 1.25          # short round: responses launched per prompt / kept (>= 1)
     dynamic_sampling: bool = False       # DAPO: drop all-equal reward groups, refill the short round
     max_waves: int = 4                   # dynamic sampling: speculative draws per short round at most
+    carry_partial: bool = False          # slime's partial rollouts: deferred prompts keep their responses' tokens for the long round
 
     def __post_init__(self):
         check_float("eta_prompts", self.eta_prompts, above=0.0)
         check_float("eta_responses", self.eta_responses, above=0.0)
         check_int("max_waves", self.max_waves, minimum=1)
+        if self.carry_partial and not self.enabled:
+            raise ConfigError("carry_partial", "carries a short round's partial responses to the long round: set "
+                              "rollout.tail_batching.enabled=true as well")
         if self.dynamic_sampling and not self.enabled:
             raise ConfigError("dynamic_sampling", "rides on tail batching's over-sampling race: set "
                               "rollout.tail_batching.enabled=true as well")

@@ -219,6 +219,25 @@ class RolloutService:
             self._versions[s.rid] = [(0, self.version)]
         return [s.rid for s in seqs]
 
+    def resume(self, prompt: Seq[int], params: SamplingParams, *, seed: int, tokens: Seq[int], logprobs: Seq[float],
+               versions: Seq[tuple[int, int]], instance: int | None = None, priority: float = 0.0) -> int:
+        """A response generated earlier, perhaps by other weights (a carried partial response,
+        `partial_carry`), continues as a new request: `tokens` (with their `logprobs`) are its first outputs,
+        prompt + tokens are prefilled on the weights held now, and sampling goes on at position len(tokens)
+        with the sample's own `seed`, so it samples what the request would have sampled there on these
+        weights. `versions`: the tokens' (first index, version) spans; the tokens from here on record the
+        version held now. Returns the new request id."""
+        if len(tokens) != len(logprobs) or not tokens or len(tokens) >= params.max_new_tokens:
+            raise ValueError(f"resume: {len(tokens)} tokens and {len(logprobs)} log-probs (need 1 .. "
+                             f"max_new_tokens-1 = {params.max_new_tokens - 1} of each)")
+        rid = next(self._ids)
+        st = SequenceState(rid, tuple(int(t) for t in prompt), dataclasses.replace(params, n=1), int(seed), None,
+                           tuple(int(t) for t in tokens), tuple(float(x) for x in logprobs),
+                           priority=float(priority))
+        self.attach([st], instance=instance, kv="recompute")
+        self._versions[rid] = [*map(tuple, versions), (len(tokens), self.version)]
+        return rid
+
     def warm(self, params: Seq[SamplingParams] = (SamplingParams(),)) -> int:
         """Compile, on every instance, each step shape it can run (its bounded `ShapeBuckets`) with the
         sampler variants `params` need (whether top-k/top-p is compiled in), and the K/V export of every

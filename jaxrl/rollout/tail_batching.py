@@ -46,6 +46,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .partial_carry import Partial, from_state, pack, to_state, unpack
+
 INF = 2**30       # above any length or key; int32-safe (multi-process gathers go through JAX, x64 off)
 ROUND_KINDS = ("short", "long")
 
@@ -72,6 +74,7 @@ class RoundPlan:
     keep: int
     accept: int
     keys: list[int]
+    carried: list | None = None   # long round with carry_partial: per row (step deferred, [Partial]) or None
 
 
 class Race:
@@ -219,11 +222,16 @@ class TailBatcher:
     short (`next_rows()` draws this process's ⌈η_p·P0⌉ / processes new rows). `settle(plan, accepted,
     step)` after the rollout queues a short round's prompts that were not kept (gathered from every
     process, so the queue stays global). `state_dict()` is the queue and counters: the checkpoint.
+
+    `carry_partial` (`partial_carry`): `settle` also takes each deferred prompt's partial responses (up to
+    R0, at most `max_tokens` tokens each), they travel with it in the queue (gathered, so every process
+    holds all) and the long round's plan hands them back with the step they were deferred at (`carried`).
     """
 
     def __init__(self, prompts_per_step: int, group_size: int, eta_prompts: float = 1.25,
                  eta_responses: float = 1.25, *, process_index: int = 0, process_count: int = 1,
-                 gather: Callable[[np.ndarray], np.ndarray] | None = None):
+                 gather: Callable[[np.ndarray], np.ndarray] | None = None, carry_partial: bool = False,
+                 max_tokens: int = 0):
         if eta_prompts < 1 or eta_responses < 1:
             raise ValueError(f"eta_prompts={eta_prompts}, eta_responses={eta_responses}: both must be >= 1")
         if prompts_per_step % process_count:
@@ -234,6 +242,8 @@ class TailBatcher:
         self.rank, self.procs = process_index, process_count
         self.gather = gather or (lambda a: a[None])
         self.queue: list[tuple[int, int]] = []        # (step deferred, dataset index), oldest first
+        self.carried: list[list[Partial]] = []        # carry_partial: each queue entry's partial responses
+        self.carry, self.max_tokens = carry_partial, max_tokens
         self.rounds = {"short": 0, "long": 0}
 
     def next_kind(self) -> str:
@@ -244,7 +254,11 @@ class TailBatcher:
         if self.next_kind() == "long":
             take, self.queue = self.queue[:self.P0], self.queue[self.P0:]
             rows = [{**dataset[i], "index": i} for _, i in take[self.rank::self.procs]]
-            return RoundPlan("long", rows, self.R0, self.R0, self.P0, self._keys(len(rows)))
+            carried = None
+            if self.carry:
+                parts, self.carried = self.carried[:self.P0], self.carried[self.P0:]
+                carried = [(s, c) for (s, _), c in zip(take, parts)][self.rank::self.procs]
+            return RoundPlan("long", rows, self.R0, self.R0, self.P0, self._keys(len(rows)), carried)
         rows = next_rows()
         if len(rows) != self.launch:
             raise ValueError(f"a short round draws {self.launch} rows per process, got {len(rows)}")
@@ -262,26 +276,41 @@ class TailBatcher:
         return [k * self.procs + self.rank for k in range(n)]
 
     def settle(self, plan: RoundPlan, accepted: Sequence[int], step: int, dropped: Sequence[int] = (), *,
-               count: bool = True) -> list[int]:
+               count: bool = True, partials: dict[int, list[Partial]] | None = None) -> list[int]:
         """Queue the short round's prompts this and every other process neither kept nor `dropped` (dynamic
         sampling's all-equal groups); returns the global list of dataset indices queued. `count=False`
-        for a round's later waves (one round, however many waves)."""
+        for a round's later waves (one round, however many waves). `partials` (carry_partial): local prompt
+        index -> the responses it carries (`partial_carry.select`), for the prompts queued."""
         if count:
             self.rounds[plan.kind] += 1
         if plan.kind == "long":
             return []
         keep = set(accepted) | set(dropped)
         local = np.full(len(plan.rows), -1, np.int64)
-        deferred = [row["index"] for k, row in enumerate(plan.rows) if k not in keep]
-        local[:len(deferred)] = deferred
+        deferred = [k for k in range(len(plan.rows)) if k not in keep]
+        local[:len(deferred)] = [plan.rows[k]["index"] for k in deferred]
         every = np.asarray(self.gather(local)).reshape(-1)
-        queued = sorted(int(i) for i in every if i >= 0)
+        order = sorted(range(len(every)), key=lambda n: (int(every[n]), n))
+        queued = [int(every[n]) for n in order if every[n] >= 0]
         self.queue += [(step, i) for i in queued]
+        if self.carry:
+            ints = np.zeros((len(plan.rows), self.R0, 3 + 2 * self.max_tokens), np.int64)
+            floats = np.zeros((len(plan.rows), self.R0, self.max_tokens), np.float64)
+            for r, k in enumerate(deferred):
+                ints[r], floats[r] = pack((partials or {}).get(k, []), self.R0, self.max_tokens)
+            ints = np.asarray(self.gather(ints)).reshape(-1, *ints.shape[1:])
+            floats = np.asarray(self.gather(floats)).reshape(-1, *floats.shape[1:])
+            self.carried += [unpack(ints[n], floats[n]) for n in order if every[n] >= 0]
         return queued
 
     def state_dict(self) -> dict:
-        return {"queue": [list(e) for e in self.queue], "rounds": dict(self.rounds)}
+        out = {"queue": [list(e) for e in self.queue], "rounds": dict(self.rounds)}
+        if self.carry:
+            out["carried"] = [to_state(c) for c in self.carried]
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.queue = [(int(s), int(i)) for s, i in state["queue"]]
         self.rounds = {k: int(v) for k, v in state["rounds"].items()}
+        if self.carry:     # (a checkpoint written without carry_partial: its queued prompts restart)
+            self.carried = [from_state(c) for c in state.get("carried", [[] for _ in self.queue])]

@@ -188,6 +188,9 @@ class SimConfig(Section):
         if self.sweep is not None and not self.values:
             raise ConfigError("values", f"sweep={self.sweep} needs values")
         check_choice("model", self.model, MODEL_PRESETS)
+        if self.rollout.tail_batching.carry_partial:
+            raise ConfigError("rollout.tail_batching.carry_partial", "the simulator does not model carried partial "
+                              "responses (its engine cannot resume one)")
 
 
 def train_config(cfg: SimConfig, mechanisms, *, gen_gpus: int, profile: str | None, prompt_len: int):

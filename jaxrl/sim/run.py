@@ -184,7 +184,7 @@ class RowSim:
     def _rollout(self, step: int, rec: StepRecord, hooks: dict):
         streamed = "async_reward" in self.m or self.disagg
 
-        def rollout(rows, race=None, responses=None):
+        def rollout(rows, race=None, responses=None):       # (carried partials: refused by SimConfig)
             prompts = [[3] * self.workload.prompt_tokens(r["index"]) for r in rows]
             for r in rows:
                 seed = rl.request_seed(self.tc.seed, step, int(r["index"]))

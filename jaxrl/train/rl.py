@@ -29,6 +29,7 @@ from jaxrl.config.train import TrainConfig
 from jaxrl.rewards.registry import one_line, reward_fn_for, reward_name
 from jaxrl.rewards.scheduler import RewardScheduler
 from jaxrl.rollout import Completion, RolloutService, SamplingParams
+from jaxrl.rollout.partial_carry import carry_from_round, resume_group
 
 from .batch import Sample, pack, pack_rows, row_bucket, trained_tokens
 from .distributed import global_max, global_sum
@@ -47,7 +48,8 @@ def uses_rollout_kv(cfg: TrainConfig) -> bool:
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
                       rows: list[dict], step: int, eos_ids, *, race=None, responses: int | None = None,
                       params_fn=None, on_step=None, on_group=None, route=None,
-                      score: bool = True, turns=None) -> tuple[list[Completion], np.ndarray, dict]:
+                      score: bool = True, turns=None, carried=None,
+                      carry: bool = False) -> tuple[list[Completion], np.ndarray, dict]:
     """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
 
     Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
@@ -81,6 +83,12 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     its turns step its environment as they end and its observations continue it in the engine. A sample
     "finishes" (the race, `on_group`) when its trajectory ends; its reward is the sum of its steps' and the
     stats count environment steps as items (`stats["env"]`: the round's counters).
+
+    Carried partial responses (`jaxrl.rollout.partial_carry`, tail batching's `carry_partial`): `carried[p]`
+    is (the step prompt p was deferred at, its carried `Partial`s) or None; those responses continue (or, when
+    finished, are scored as they are) in the first slots of p's group. `carry=True` with a race: the
+    responses of the prompts the race neither accepts nor drops come back as `stats["partials"]` (local prompt
+    -> the `Partial`s it carries).
     """
     if not score and (on_group is not None or (race is not None and race.filter_equal) or turns is not None):
         raise ValueError("rollout_and_score(score=False): on_group, dynamic sampling and multi-turn need the "
@@ -88,7 +96,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     r = cfg.rollout
     G = responses or cfg.algo.group_size
     sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
-    rids = []
+    rids, arrived_before = [], []
     placed = [{}] * len(prompts) if route is None else [dict(instance=i, priority=q) for i, q in zip(*route(prompts))]
     for ids, row, where_to in zip(prompts, rows, placed):
         params = SamplingParams.from_config(r, n=G, stop_token_ids=eos_ids,
@@ -97,14 +105,22 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
         params = params if params_fn is None else params_fn(row, params)
         if turns is not None:
             params = turns.mt.params(params)
+        if carried is not None and carried[len(rids)] is not None:
+            deferred_at, parts = carried[len(rids)]
+            group, done = resume_group(svc, ids, params, parts, request_seed(cfg.seed, deferred_at, int(row["index"])),
+                                       **where_to)
+            rids.append(group)
+            arrived_before += [(len(rids) - 1, j, c) for j, c in done.items()]
+            continue
         rids.append(svc.add(ids, params, **where_to))
         if turns is not None:
             turns.start(len(rids) - 1, rids[-1], params)
-    where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group)}
+    where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group) if rid is not None}
     comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
     scores = np.zeros((len(prompts), G), np.float32)
     waiting, results, first_error = {}, {}, []
     aborted = aborted_tokens = engine_steps = finished = 0
+    partials = {}                              # carry: (p, j) -> the partial completion an abort returned
     emitted: set[int] = set()
     told: set[int] = set()
 
@@ -133,6 +149,19 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             race.finished(p, j, len(c.tokens))
         finished += 1
 
+    def arrived(p, j, c):
+        """Response j of prompt p came out of the engine (or was carried in finished): to its reward."""
+        if turns is not None:
+            turns.turn_ended((p, j), c)
+            return
+        finish(p, j, c)
+        if not score:
+            return
+        row = rows[p]
+        name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
+        sched.submit((p, j), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
+        waiting[p, j] = name
+
     def take_trajectories(ended):
         for (p, j), c, reward, status in ended:
             finish(p, j, c)
@@ -152,6 +181,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
     # with a race, also until it is decided: its poll gathers from every process, so a process whose own
     # requests are done keeps polling with the others (and dynamic sampling waits for group rewards); with
     # PAT over several processes, until every process has finished: its decisions are agreed at common ticks
+    for p, j, c in arrived_before:             # carried responses that had finished already
+        arrived(p, j, c)
     pat = getattr(svc, "adaptive", None)       # (a stand-in service may have no PAT driver at all)
     pat = pat if pat is not None and pat.agree is not None else None
     if pat is not None:
@@ -172,17 +203,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             continue
         engine_steps += 1
         for c in svc.step():
-            p, j = where[c.request_id]
-            if turns is not None:
-                turns.turn_ended((p, j), c)
-                continue
-            finish(p, j, c)
-            if not score:
-                continue
-            row = rows[p]
-            name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
-            sched.submit((p, j), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
-            waiting[p, j] = name
+            arrived(*where[c.request_id], c)
         if turns is not None:
             take_trajectories(turns.poll())
         else:
@@ -200,6 +221,8 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                 if partial is not None:
                     aborted += 1
                     aborted_tokens += len(partial.tokens)
+                    if carry:
+                        partials[p, j] = partial
         emit_groups()
     accepted = list(range(len(prompts))) if race is None else race.accepted
     kept = [(p, j) for p in accepted for j in (range(G) if race is None else race.kept(p))]
@@ -222,6 +245,9 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                  engine_steps=engine_steps, accepted=accepted,
                  dropped=[] if race is None else list(race.dropped), aborted=aborted, aborted_tokens=aborted_tokens,
                  wasted_tokens=wasted + aborted_tokens)
+    if carry and race is not None:
+        deferred = [p for p in range(len(prompts)) if p not in set(accepted) | set(race.dropped)]
+        stats["partials"] = carry_from_round(comps, partials, deferred, cfg.algo.group_size, svc.version)
     return [comps[p][j] for p, j in kept], np.asarray([scores[p, j] for p, j in kept], np.float32), stats
 
 

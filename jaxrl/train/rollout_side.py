@@ -110,7 +110,8 @@ class RolloutSide:
         self.tail = None
         if tb.enabled:     # RollPacker: short rounds draw eta_prompts x more rows; long rounds draw none
             self.tail = TailBatcher(cfg.algo.prompts_per_step, cfg.algo.group_size, tb.eta_prompts, tb.eta_responses,
-                                    process_index=jax.process_index(), process_count=n_proc, gather=allgather)
+                                    process_index=jax.process_index(), process_count=n_proc, gather=allgather,
+                                    carry_partial=tb.carry_partial, max_tokens=cfg.rollout.max_new_tokens)
             per_step = self.tail.launch
         self.loader = DataLoader(dataset, per_step, process_index=jax.process_index(), process_count=n_proc,
                                  shuffle=cfg.data.shuffle, seed=cfg.seed)
@@ -179,7 +180,7 @@ class RolloutSide:
         on_group = self.begin_streams()
         drop_equal = self.tail is not None and cfg.rollout.tail_batching.dynamic_sampling
 
-        def rollout(rows, race=None, responses=None):      # one round, or one of dynamic sampling's waves
+        def rollout(rows, race=None, responses=None, carried=None):     # one round, or a dynamic sampling wave
             turns = self.turns.round(self.svc, rows) if self.turns else None    # an environment reset per row
             prompts = encode_prompts(turns.rows if turns else rows, self.tokenizer, cfg.data.chat)
             hooks = {}
@@ -199,13 +200,15 @@ class RolloutSide:
                     self.svc, ps, max_long=kept_instances(self.svc) if self.stream else None)
             return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
                                         self.tokenizer.eos_ids, race=race, responses=responses, score=score,
-                                        turns=turns, **hooks)
+                                        turns=turns, carried=carried,
+                                        carry=cfg.rollout.tail_batching.carry_partial, **hooks)
 
         plan = None
         if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
             tb = cfg.rollout.tail_batching
             got = tail_round(self.tail, lambda: next(self.loader), self.dataset, step, rollout,
-                             dynamic_sampling=tb.dynamic_sampling, max_waves=tb.max_waves, gather=allgather)
+                             dynamic_sampling=tb.dynamic_sampling, max_waves=tb.max_waves, gather=allgather,
+                             staleness=(cfg.trainer.max_staleness, cfg.trainer.stale_samples))
             plan, rows, comps, rewards, rstats = got.plan, got.rows, got.completions, got.rewards, got.stats
         else:
             rows = next(self.loader)

@@ -15,6 +15,10 @@ the batch is filled from more draws:
   `max_waves` waves. Each wave's slow prompts join the queue as in a plain short round;
 * a long round (queued prompts, no speculation) drops its all-equal groups and is not refilled.
 
+Carried partial responses (`rollout.tail_batching.carry_partial`, `jaxrl.rollout.partial_carry`): a short
+round's deferred prompts take their partial responses into the queue (`TailBatcher.settle`), and the long
+round resumes them after the staleness rule (`resumed`).
+
 Every drawn prompt ends in exactly one of trained, queued or dropped. A batch still short of P0 after
 `max_waves` (or a long round's drops) trains what it has: `batch_short` counts the missing prompts
 (DAPO's `max_num_gen_batches` behaves alike). Simplified relative to DAPO: the waves refill a short
@@ -29,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxrl.rollout.partial_carry import apply_staleness
 from jaxrl.rollout.tail_batching import Race, RoundPlan, TailBatcher
 
 from .distributed import global_sum
@@ -57,12 +62,37 @@ def equal_groups(rewards: np.ndarray, group: int) -> list[int]:
     return [p for p in range(len(r)) if bool(np.all(r[p] == r[p, 0]))]
 
 
+def resumed(carried, step: int, max_staleness: int, rule: str) -> tuple[list | None, dict]:
+    """A long round's carried partials (`RoundPlan.carried`) after the staleness rule (`partial_carry.
+    apply_staleness`), with the counts summed over this process's prompts: carried responses and tokens
+    resumed, and those dropped or kept with their correction."""
+    counts = dict(carried_samples=0, carried_tokens=0, stale_dropped=0, stale_corrected=0)
+    if carried is None:
+        return None, counts
+    out = []
+    for entry in carried:
+        if entry is None or not entry[1]:
+            out.append(None)
+            continue
+        kept, c = apply_staleness(entry[1], step, max_staleness, rule)
+        counts["stale_dropped"] += c["dropped"]
+        counts["stale_corrected"] += c["corrected"]
+        counts["carried_samples"] += len(kept)
+        counts["carried_tokens"] += sum(len(p.tokens) for p in kept)
+        out.append((entry[0], kept) if kept else None)
+    return out, counts
+
+
 def tail_round(tail: TailBatcher, draw: Callable[[], list[dict]], dataset, step: int, rollout, *,
-               dynamic_sampling: bool = False, max_waves: int = 1, gather=None) -> RoundResult:
+               dynamic_sampling: bool = False, max_waves: int = 1, gather=None,
+               staleness: tuple[int, str] = (0, "drop")) -> RoundResult:
+    """`staleness`: (trainer.max_staleness, trainer.stale_samples), the rule for carried partial responses."""
     plan = tail.plan(draw, dataset, step)
     if plan.kind == "long":
-        comps, rewards, st = rollout(plan.rows, None, plan.responses)
-        st = dict(st, queued=tail.settle(plan, st["accepted"], step), waves=1)
+        carried, counts = resumed(plan.carried, step, *staleness)
+        comps, rewards, st = rollout(plan.rows, None, plan.responses,
+                                     **({} if carried is None else {"carried": carried}))
+        st = dict(st, queued=tail.settle(plan, st["accepted"], step), waves=1, **counts)
         dropped = equal_groups(rewards, plan.keep) if dynamic_sampling else []
         keep = [p for p in range(len(plan.rows)) if p not in dropped]
         comps = [c for p in keep for c in comps[p * plan.keep:(p + 1) * plan.keep]]
@@ -72,12 +102,14 @@ def tail_round(tail: TailBatcher, draw: Callable[[], list[dict]], dataset, step:
         return RoundResult(plan, [plan.rows[p] for p in keep], comps, rewards, st)
 
     rows, comps, rewards, merged = [], [], [], {k: 0 for k in _SUMMED}
-    merged.update(first_error="", queued=[], accepted=[], dropped=0, waves=0, launched=0)
+    merged.update(first_error="", queued=[], accepted=[], dropped=0, waves=0, launched=0, carried_samples=0,
+                  carried_tokens=0, stale_dropped=0, stale_corrected=0)
     wave, trained = plan, 0                    # trained: global prompts accepted so far
     while True:
         race = Race(wave.keys, wave.responses, wave.keep, wave.accept, gather=gather, filter_equal=dynamic_sampling)
         c, r, st = rollout(wave.rows, race, wave.responses)
-        merged["queued"] += tail.settle(wave, st["accepted"], step, st["dropped"], count=merged["waves"] == 0)
+        merged["queued"] += tail.settle(wave, st["accepted"], step, st["dropped"], count=merged["waves"] == 0,
+                                        partials=st.get("partials"))
         if merged["waves"] == 0:
             merged["accepted"] = list(st["accepted"])       # hooks (the stream trainer) see the first wave only
         merged["waves"] += 1

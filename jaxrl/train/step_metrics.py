@@ -34,15 +34,18 @@ def step_metrics(rewards, lens, rstats: dict, m: dict, times: dict, *, lr: float
 def staleness_metrics(step: int, completions, k: int, default: int) -> dict:
     """async/... (trainer.max_staleness = k): the trained tokens' staleness, `step` minus the weights version
     that sampled each (`Completion.token_versions`; `default` where none was recorded), over all processes: its
-    mean and the fraction of tokens at each lag 0..k (the histogram; a larger lag fails `check_staleness`)."""
-    counts = np.zeros(k + 1)
+    mean and the fraction of tokens at each lag 0..k (the histogram), and above k (`async/lag_over_k_frac`:
+    carried partial responses kept with their correction, `trainer.stale_samples=correct`)."""
+    counts, lag_sum = np.zeros(k + 2), 0.0
     for c in completions:
         lags = step - np.asarray(c.token_versions(default), np.int64)
-        counts += np.bincount(np.clip(lags, 0, k), minlength=k + 1)
-    counts = np.asarray(global_sum([float(x) for x in counts]), np.float64)
-    total = max(counts.sum(), 1.0)
+        counts += np.bincount(np.clip(lags, 0, k + 1), minlength=k + 2)
+        lag_sum += float(np.maximum(lags, 0).sum())
+    *counts, lag_sum = np.asarray(global_sum([float(x) for x in counts] + [lag_sum]), np.float64)
+    total = max(sum(counts), 1.0)
     out = {f"async/lag{j}_frac": float(counts[j] / total) for j in range(k + 1)}
-    out["async/staleness_mean"] = float(np.arange(k + 1) @ counts / total)
+    out["async/lag_over_k_frac"] = float(counts[k + 1] / total)
+    out["async/staleness_mean"] = float(lag_sum / total)
     return out
 
 
@@ -60,6 +63,16 @@ def tail_metrics(plan, rstats: dict, lens, *, trained: int) -> dict:
             "tail/aborted_tokens": int(aborted_tok), "tail/wasted_tokens": int(wasted),
             "tail/max_response_len": global_max(max(lens, default=0)), "tail/dropped_groups": int(dropped),
             "tail/waves": int(rstats.get("waves", 1)), "tail/batch_short": int(rstats.get("batch_short", 0))}
+
+
+def carry_metrics(rstats: dict) -> dict:
+    """Carried partial responses (rollout.tail_batching.carry_partial), over all processes: resumed responses
+    and their tokens (decoded in an earlier round, not again), and those the staleness rule dropped or kept
+    with their correction (`jaxrl.rollout.partial_carry.apply_staleness`)."""
+    keys = ("carried_samples", "carried_tokens", "stale_dropped", "stale_corrected")
+    got = global_sum([rstats.get(k, 0) for k in keys])
+    return {"tail/carried_samples": int(got[0]), "tail/carried_tokens": int(got[1]),
+            "async/dropped_samples": int(got[2]), "async/corrected_samples": int(got[3])}
 
 
 def placement_metrics(svc, train_devices: int, gstream, staleness: int, wait: float) -> dict:

@@ -52,7 +52,7 @@ from .pipeline import TrainWorker, check_staleness, split_devices
 from .preflight import (ResumePlan, check_tokenizer, discard_unstarted, plan_resume, startup_errors,
                         write_config)
 from .rollout_side import RolloutSide, load_prompts, requests_in_flight
-from .step_metrics import placement_metrics, staleness_metrics, step_metrics, tail_metrics
+from .step_metrics import carry_metrics, placement_metrics, staleness_metrics, step_metrics, tail_metrics
 from .stream import StreamTrainer
 from .trajectories import MultiTurn
 from .warm_start import supervised_warm_start
@@ -220,11 +220,13 @@ class Trainer:
         out["flow/samples"] = int(global_sum([len(data.samples or [])])[0])    # trained, over all processes
         out.update(data.metrics)                   # the nodes' own (flow/...: group filter, repartition)
         out.update(tc.rewards.metrics())           # reward/...: cancellations, elapsed time, adaptive timeouts
+        carry = cfg.rollout.tail_batching.carry_partial
         if data.plan:
             out.update(tail_metrics(data.plan, rstats, all_lens, trained=len(data.rows)))
+            out.update(carry_metrics(rstats) if carry else {})
         out.update(rstats["mechanisms"])           # the rollout's: tail/queue_len, planner/, pat/
         out.update(self.rollout.observe(self.step, data.prompts, data.lens))     # skew/: the ranker learns
-        if cfg.trainer.max_staleness:              # async/: the tokens' staleness histogram
+        if cfg.trainer.max_staleness or carry:     # async/: the tokens' staleness histogram
             out.update(staleness_metrics(self.step, data.completions, cfg.trainer.max_staleness, data.version))
         if cfg.placement == "disaggregated":     # StreamRL: the pools, the streamed groups, staleness, the bubble
             out.update(placement_metrics(self.svc, self.update.mesh.size, tc.gstream, staleness, data.train_wait_s))

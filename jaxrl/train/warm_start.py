@@ -59,7 +59,10 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
     loader = DataLoader(dataset, w.batch_size // jax.process_count(), process_index=jax.process_index(),
                         process_count=jax.process_count(), seed=cfg.seed + 1)
     sft_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(  # NLL: token-mean, one update per batch
-        cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1, objective="ppo"))
+        cfg.algo, agg="token-mean", micro_batches=1, mini_batches=1, objective="ppo"),
+        trainer=dataclasses.replace(cfg.trainer, stale_samples="drop"),        # (no rollout: nothing carried)
+        rollout=dataclasses.replace(cfg.rollout, tail_batching=dataclasses.replace(cfg.rollout.tail_batching,
+                                                                                   carry_partial=False)))
     bar = tqdm(range(w.steps), desc="warm start", disable=not is_main)
     for i in bar:
         samples = demonstrations(next(loader), tokenizer, cfg)
