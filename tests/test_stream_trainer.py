@@ -11,7 +11,7 @@ import pytest
 
 from jaxrl import algos
 from jaxrl.config.base import ConfigError
-from jaxrl.config.generate import EngineSection, SamplingSection
+from jaxrl.config.generate import EngineSection
 from jaxrl.config.stream import StreamSection, check_stream
 from jaxrl.config.train_rollout import TailBatchingSection, TrainSamplingSection
 from jaxrl.config.train import AlgoSection, TrainConfig, TrainerSection
@@ -41,7 +41,7 @@ TX = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
 
 def _cfg(agg="token-mean", **algo):
     return TrainConfig(algo=AlgoSection(agg=agg, group_size=G, kl_coef=0.05, entropy_coef=0.01, **algo),
-                       rollout=SamplingSection(max_new_tokens=MAX_NEW),
+                       rollout=TrainSamplingSection(max_new_tokens=MAX_NEW),
                        trainer=TrainerSection(micro_batch_tokens=8 * PACK_LEN),
                        engine=EngineSection(tp=2, instances=4, max_seq_len=128))
 

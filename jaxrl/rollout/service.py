@@ -38,33 +38,22 @@ from collections.abc import Callable, Iterator, Sequence as Seq
 
 import jax
 
-from jaxrl.config.train import SWAP_KV      # a mid-generation weight update: the K/V kept, or recomputed
 from jaxrl.runtime import enable_compilation_cache
-from models import ModelConfig, Weights, fit_vocab, logical_axes, lora, vocab_rows
-from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for, to_local_groups
+from models import ModelConfig, Weights, fit_vocab, logical_axes, vocab_rows
+from sharding import Layout, ShardingRules, padded_vocab_for, reshard, shardings_for
 
-from . import migration
+from . import migration, weight_sync
 from .instance import Completion, Instance
 from .memory import instance_pages
 from .migration import plan_layout
 from .params import SamplingParams
 from .scheduler import Sequence, SequenceState
 from .tp_switch import AdaptiveTP
+from .weight_sync import Staged
 
 ROUTERS = ("least_loaded", "round_robin")
 ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (interpret mode on the CPU)
 KV_MODES = ("migrate", "recompute")
-
-
-@dataclasses.dataclass
-class Staged:
-    """Weights made ready for this process's instances (`RolloutService.stage`)."""
-
-    weights: Weights
-    adapters: bool            # only the LoRA adapters move
-    src: Weights              # what moves (the adapters, or the whole tree)
-    copies: list | None       # this process's copy per instance (multi-process), else None
-    meshes: list              # the instances' meshes it was staged for
 
 
 class RolloutService:
@@ -102,7 +91,7 @@ class RolloutService:
         self.instances: list[Instance] = []
         given = migration.buffers(weights)
         meshes = [Layout(tp=len(g)).make_mesh(g) for g in plan_layout(tp, instances, self.devices)]
-        copies = self._local_copies(weights, meshes)
+        copies = weight_sync.local_copies(self, weights, meshes)
         for i, mesh in enumerate(meshes):
             w, _ = self.place(weights if copies is None else copies[i], mesh,
                               whole_leaf_bytes=self.SYNC_WHOLE_LEAF_BYTES)
@@ -171,25 +160,6 @@ class RolloutService:
         cap = min(max_batch, self.batch_cap or max_batch)       # (token vector and pool as without the cap)
         return Instance(index, self.cfg, mesh, weights, num_pages=pages, max_batch=cap, token_slots=max_batch,
                         **self.instance_kw)
-
-    def _local_copies(self, weights, meshes) -> list | None:
-        """Multi-process: global weights (shards on every process) become this process's instance copies
-        by one collective on-device reshard (`sharding.to_local_groups`), never through the host; every
-        process calls this at the same point. None when the weights are already addressable here."""
-        if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in jax.tree.leaves(weights)):
-            return None
-        tps = {m.shape["tp"] for m in meshes}
-        if len(tps) != 1:
-            raise ValueError(f"global (multi-process) weights need instances of one tp size; got {sorted(tps)}")
-        tp = tps.pop()
-        padded = padded_vocab_for(self.cfg, Layout(tp=tp))
-        shardings = self.weight_shardings(meshes[0])
-        if weights.embed is None:                  # LoRA's adapters alone (`update_weights`)
-            shardings = lora.split(shardings)[0]
-        elif vocab_rows(weights) != padded:        # the rollout's vocabulary padding, on the global arrays
-            weights = fit_vocab(weights, padded)
-        specs = jax.tree.map(lambda sh: sh.spec, shardings)
-        return to_local_groups(weights, specs, [list(m.devices.flat) for m in meshes], tp)
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *, instance: int | None = None,
@@ -411,73 +381,21 @@ class RolloutService:
 
     def swap_weights(self, weights: Weights, version: int, *, kv: str = "keep", adapters_only: bool = False,
                      staged: Staged | None = None) -> dict:
-        """A weight update in the middle of generation (partial rollouts across weight versions): every
-        in-flight step is drained, then each live sequence continues with `weights` from its next token on,
-        and those tokens record `version` (`Completion.versions`). kv="keep": the K/V of the positions so far
-        stay, computed by the older weights (AReaL's interruptible generation: no recomputation, the new
-        weights attend over old K/V); kv="recompute": they are dropped and every sequence re-prefills prompt +
-        tokens with the new weights, so its continuation is exactly what the new weights generate from that
-        prefix. `staged`: from `stage(weights)`, already run (multi-process: the collective half, on the train
-        pool's thread in step with the other processes), so the swap itself moves weights within this process
-        only. Returns {"sequences": live sequences, "recomputed": positions to prefill again}."""
-        if kv not in SWAP_KV:
-            raise ValueError(f"kv={kv!r}; valid choices: {', '.join(SWAP_KV)}")
-        self.pause()
-        live = 0
-        for inst in self.instances:
-            for s in inst.sched.live:
-                spans = self._versions.setdefault(s.rid, [(0, self.version)])
-                if spans[-1][0] == len(s.out):
-                    spans[-1] = (len(s.out), int(version))
-                else:
-                    spans.append((len(s.out), int(version)))
-                live += 1
-        self.update_weights(weights, adapters_only=adapters_only, version=version, staged=staged)
-        recomputed = sum(inst.sched.drop_kv() for inst in self.instances) if kv == "recompute" else 0
-        return {"sequences": live, "recomputed": recomputed}
+        """A weight update in the middle of generation: live sequences continue on `weights`, their tokens from
+        now on recording `version`; kv="keep" or "recompute" (`weight_sync.swap_weights`)."""
+        return weight_sync.swap_weights(self, weights, version, kv=kv, adapters_only=adapters_only, staged=staged)
 
     def stage(self, weights: Weights, *, adapters_only: bool = False) -> Staged:
-        """The part of a sync that may involve other processes: global weights (multi-process) become this
-        process's copies for its instances by one collective reshard that every process runs at the same point
-        in its program (`_local_copies`); nothing for weights this process already addresses. `update_weights`
-        and `swap_weights` given the result move them within the process only; the instances' layout must not
-        change in between (a single process re-stages if it did)."""
-        adapters = adapters_only and lora.has_adapters(weights) and all(
-            not x.is_deleted() for i in self.instances for x in jax.tree.leaves(lora.split(i.weights)[1]))
-        src = lora.split(weights)[0] if adapters else weights
-        meshes = [i.mesh for i in self.instances]
-        return Staged(weights, adapters, src, self._local_copies(src, meshes), meshes)
+        """The collective half of a sync (multi-process), run at the same point on every process
+        (`weight_sync.stage`)."""
+        return weight_sync.stage(self, weights, adapters_only=adapters_only)
 
     def update_weights(self, weights: Weights, *, adapters_only: bool = False, version: int | None = None,
                        staged: Staged | None = None) -> list:
-        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports. `version`:
-        the weights' version, recorded by every token sampled from now on (between rollouts; in the middle of
-        one, `swap_weights` also says how the live sequences continue).
-        `adapters_only` (LoRA, `models.lora`): the caller vouches that the frozen base of `weights` is the one
-        the instances hold (an RL update never changes it; a warm start or a resume does), so only the adapters
-        move; an instance whose base arrays were the trainer's own, donated by its update, gets the whole tree
-        again."""
-        reports, given = [], migration.buffers(weights)
-        if staged is None or staged.weights is not weights or staged.meshes != [i.mesh for i in self.instances]:
-            if staged is not None and staged.copies is not None and staged.weights is weights:
-                raise RuntimeError("the instances' layout changed between stage() and the sync of global "
-                                   "(multi-process) weights; stage them again, at the same point on every process")
-            staged = self.stage(weights, adapters_only=adapters_only)
-        adapters, src, copies = staged.adapters, staged.src, staged.copies
-        for k, inst in enumerate(self.instances):
-            w = src if copies is None else copies[k]
-            if adapters:
-                new, r = reshard(w, lora.split(self.weight_shardings(inst.mesh))[0],
-                                 whole_leaf_bytes=self.SYNC_WHOLE_LEAF_BYTES)
-                inst.weights = lora.join(new, lora.split(inst.weights)[1])
-            else:
-                inst.weights, r = self.place(w, inst.mesh, whole_leaf_bytes=self.SYNC_WHOLE_LEAF_BYTES)
-            inst.external = migration.buffers(inst.weights) & given
-            reports.append(r)
-        self.synced_bytes += sum(r.bytes_moved for r in reports)
-        if version is not None:
-            self.version = int(version)
-        return reports
+        """Reshard `weights` (any layout) into every instance, layer by layer; returns the reports
+        (`weight_sync.update_weights`)."""
+        return weight_sync.update_weights(self, weights, adapters_only=adapters_only, version=version,
+                                          staged=staged)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[dict]:
