@@ -165,6 +165,21 @@ def test_direct_construction_validates():
     assert config_error(DemoConfig, ModelSection(), MeshSection(), -1).key == "seed"
 
 
+def test_a_section_of_another_class_is_refused_by_key():
+    """A train config built in code with the generate config's sampling section as its `rollout` (which lacks
+    tail_batching) is refused naming the key, not by an AttributeError deep in a later check."""
+    from jaxrl.config.generate import EngineSection, SamplingSection
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.config.train_rollout import TrainEngineSection, TrainSamplingSection
+
+    for key, wrong, right in (("rollout", SamplingSection(), TrainSamplingSection()),
+                              ("engine", EngineSection(), TrainEngineSection())):
+        with pytest.raises(ConfigError, match=f"expected a {type(right).__name__}") as e:
+            TrainConfig(**{key: wrong})
+        assert e.value.key == key
+        assert getattr(TrainConfig(**{key: right}), key) == right
+
+
 def test_parse_cli_exits_2_without_traceback(capsys):
     with pytest.raises(SystemExit) as info:
         parse_cli(DemoConfig, ["model.preset=nope"], default_yaml=DEMO_YAML, prog="demo")

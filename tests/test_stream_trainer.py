@@ -11,9 +11,8 @@ import pytest
 
 from jaxrl import algos
 from jaxrl.config.base import ConfigError
-from jaxrl.config.generate import EngineSection
 from jaxrl.config.stream import StreamSection, check_stream
-from jaxrl.config.train_rollout import TailBatchingSection, TrainSamplingSection
+from jaxrl.config.train_rollout import TailBatchingSection, TrainEngineSection, TrainSamplingSection
 from jaxrl.config.train import AlgoSection, TrainConfig, TrainerSection
 from jaxrl.rollout import RolloutService, SamplingParams
 from jaxrl.runtime import CompileCounter
@@ -43,7 +42,7 @@ def _cfg(agg="token-mean", **algo):
     return TrainConfig(algo=AlgoSection(agg=agg, group_size=G, kl_coef=0.05, entropy_coef=0.01, **algo),
                        rollout=TrainSamplingSection(max_new_tokens=MAX_NEW),
                        trainer=TrainerSection(micro_batch_tokens=8 * PACK_LEN),
-                       engine=EngineSection(tp=2, instances=4, max_seq_len=128))
+                       engine=TrainEngineSection(tp=2, instances=4, max_seq_len=128))
 
 
 @pytest.fixture(scope="module")
@@ -378,11 +377,11 @@ def test_plan_shrink_rule():
     ("algo.mini_batches", dict(algo=AlgoSection(mini_batches=2))),
     ("algo.advantage", dict(algo=AlgoSection(advantage="reinforce_pp"))),
     ("trainer.micro_batch_tokens", dict(trainer=TrainerSection(micro_batch_tokens=None))),
-    ("engine.instances", dict(engine=EngineSection(instances=3))),
-    ("engine.instances", dict(engine=EngineSection(instances=1))),
+    ("engine.instances", dict(engine=TrainEngineSection(instances=3))),
+    ("engine.instances", dict(engine=TrainEngineSection(instances=1))),
 ])
 def test_refusals_name_the_key(key, cfg):
-    cfg = TrainConfig(**{"engine": EngineSection(instances=2), **cfg})
+    cfg = TrainConfig(**{"engine": TrainEngineSection(instances=2), **cfg})
     with pytest.raises(ConfigError) as e:
         check_stream(StreamSection(enabled=True), cfg)
     assert e.value.key == key
@@ -397,5 +396,5 @@ def test_stream_section_validation():
             StreamSection(**kw)
         assert e.value.key == key
     with pytest.raises(ConfigError, match="algo.mini_batches"):
-        StreamTrainer(TrainConfig(algo=AlgoSection(mini_batches=2), engine=EngineSection(instances=2)),
+        StreamTrainer(TrainConfig(algo=AlgoSection(mini_batches=2), engine=TrainEngineSection(instances=2)),
                       StreamSection(enabled=True), CFG, None, None, None, pack_len=PACK_LEN, mb_rows=8)

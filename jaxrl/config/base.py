@@ -33,6 +33,7 @@ decode, but their own level gets draccus's messages rather than the hook's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -83,6 +84,23 @@ def check_int(key: str, value: object, *, minimum: int | None = None) -> None:
         raise ConfigError(key, f"expected an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(key, f"must be >= {minimum}, got {value}")
+
+
+def check_sections(cfg: Section) -> None:
+    """Each field of `cfg` declared as a Section holds that section's class (or a subclass): a config built in
+    code with another section in its place (the generate config's `SamplingSection` for a train config's
+    `rollout`) is refused here, naming the key, not later by a missing attribute."""
+    for name, kind in _section_fields(type(cfg)).items():
+        value = getattr(cfg, name)
+        if not isinstance(value, kind):
+            raise ConfigError(name, f"expected a {kind.__name__} ({kind.__module__}), got {type(value).__name__}")
+
+
+@functools.cache
+def _section_fields(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], Section)}
 
 
 def check_float(key: str, value: object, *, above: float | None = None) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 from jaxrl import algos
 from models.forward import ATTENTION_IMPLS, REMAT_POLICIES
 
-from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
+from .base import ConfigError, Section, check_choice, check_float, check_int, check_sections, check_str
 
 BACKWARDS = ("full", "blockwise")              # trainer.backward (jaxrl.train.blockwise)
 KV_SOURCES = ("recompute", "rollout")          # trainer.kv_source
@@ -267,6 +267,7 @@ class TrainConfig(Section):
     profile_steps: tuple[int, int] | None = None   # [start, stop]: jax.profiler trace of RL steps start..stop-1
 
     def __post_init__(self):
+        check_sections(self)
         check_int("steps", self.steps, minimum=0)
         check_int("seed", self.seed, minimum=0)
         check_str("run_dir", self.run_dir)
