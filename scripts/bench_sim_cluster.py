@@ -52,10 +52,12 @@ RECIPES = {
     # asynchronous RL (issue 38): generation up to k versions ahead on disaggregated pools, 8-128 GPUs, beside the
     # synchronous rows: colocated with one controller per process (multi_controller: the disaggregated rows have
     # no single driver either), the single-controller baseline, disaggregated (k = 1's run). Every run
-    # simulates the baseline too (the split is computed from its stage times).
+    # simulates the baseline too (the train pool's time is scaled from its training); the generation pool's
+    # size comes from the rollout simulated on each candidate (split=simulated: StreamRL's T_g(x)).
     **{f"async_qwen25_7b_h100_k{k}": ("distflow_qwen25_7b_h100.yaml", [
         "rows=[baseline, disaggregated+async_reward, 'disaggregated+async_reward+async_steps']" if k == 1 else
-        "rows=['disaggregated+async_reward+async_steps']", "steps=5", f"max_staleness={k}", *ASYNC_SWEEP])
+        "rows=['disaggregated+async_reward+async_steps']", "steps=5", f"max_staleness={k}", "split=simulated",
+        *ASYNC_SWEEP])
        for k in ASYNC_K},
     "async_qwen25_7b_h100_sync": ("distflow_qwen25_7b_h100.yaml", ["rows=[multi_controller]", "steps=5",
                                                                    *ASYNC_SWEEP]),
@@ -177,13 +179,17 @@ def async_table(by_k: dict[int, dict], sync: dict) -> tuple[str, dict]:
     """Step throughput against k at each GPU count, as speed-ups in mean step time over the synchronous colocated
     multi-controller row (`sync`'s run; the same GPUs and workload): the single-controller baseline and the
     synchronous disaggregated row (k = 1's run), the async row of each k."""
-    def step_s(s, value, row):
+    def row_of(s, value, row):
         p = next(p for p in s["points"] if str(p["value"]) == str(value))
-        return next(r["step_s"] for r in p["rows"] if r["row"] == row)
+        return next(r for r in p["rows"] if r["row"] == row)
+
+    def step_s(s, value, row):
+        return row_of(s, value, row)["step_s"]
 
     ks = sorted(by_k)
-    lines = ["| GPUs | sync colocated step s | sync, single controller | sync disaggregated | "
-             + " | ".join(f"async, k = {k}" for k in ks) + " |", "|---|---:|---:|---:|" + "---:|" * len(ks)]
+    lines = ["| GPUs | sync colocated step s | sync, single controller | split, GPUs (gen / train) | "
+             "sync disaggregated | " + " | ".join(f"async, k = {k}" for k in ks) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(ks)]
     out = {}
     for p in sync["points"]:
         g = p["value"]
@@ -191,10 +197,12 @@ def async_table(by_k: dict[int, dict], sync: dict) -> tuple[str, dict]:
         single = ref / step_s(by_k[ks[0]], g, "baseline")
         dis = ref / step_s(by_k[ks[0]], g, "disaggregated+async_reward")
         sp = {k: ref / step_s(by_k[k], g, ASYNC_ROW) for k in ks}
+        a = row_of(by_k[ks[0]], g, ASYNC_ROW)
         out[str(g)] = {"sync_step_s": ref, "single_controller_speedup": single, "disaggregated_speedup": dis,
-                       "async_speedup": {str(k): v for k, v in sp.items()}}
-        lines.append(f"| {g} | {ref:.1f} | {single:.2f}x | {dis:.2f}x | " + " | ".join(f"{sp[k]:.2f}x" for k in ks)
-                     + " |")
+                       "async_speedup": {str(k): v for k, v in sp.items()},
+                       "split": [a["gen_gpus"], a["train_gpus"]], "split_rollout_s": a.get("split_rollout_s")}
+        lines.append(f"| {g} | {ref:.1f} | {single:.2f}x | {a['gen_gpus']} / {a['train_gpus']} | {dis:.2f}x | "
+                     + " | ".join(f"{sp[k]:.2f}x" for k in ks) + " |")
     return "\n".join(lines) + "\n", out
 
 

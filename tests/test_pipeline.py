@@ -12,7 +12,7 @@ import pytest
 from jaxrl.config.placement import StageBalanceSection
 from jaxrl.rollout import Completion, RolloutService, SamplingParams
 from jaxrl.rollout.tail_batching import RoundPlan
-from jaxrl.train.balance import ScaleUp, best_split, scale_up_due, scaled
+from jaxrl.train.balance import ScaleUp, best_split, scale_up_due, scaled, searched_split
 from jaxrl.train.pipeline import Prefetched, Timeline, TrainWorker, check_staleness, split_devices
 from models import PRESETS, init
 
@@ -82,6 +82,33 @@ def test_best_split_minimises_the_slower_stage():
     assert all(a + b <= 8 and a % 2 == 0 for a, b, _ in table)
     with pytest.raises(ValueError):
         best_split(2, 4, [1], tg, tt)
+
+
+def test_searched_split_equals_the_full_enumeration_in_few_evaluations():
+    """On random monotone stage-time curves (a generation time that stops falling, as a long tail makes it, or
+    one falling as work / devices; a train time falling as work / devices, with plateaus from rounding), every
+    gen unit and train-size set: searched_split's (x, y) is best_split's over every x, and it evaluated T_g
+    at no more than 2 log2(candidates) + 3 points."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        total = int(rng.choice([8, 16, 32, 64, 128]))
+        unit = int(rng.choice([1, 2, 4, 8]))
+        sizes = ([2 ** k for k in range(total.bit_length()) if 2 ** k < total] if trial % 2 else
+                 list(range(unit, total, unit)))
+        if not sizes or total - min(sizes) < unit:
+            continue
+        floor, work = rng.uniform(1, 50), rng.uniform(10, 5000)
+        drops = np.round(np.sort(rng.uniform(0, 5, total + 1))[::-1]) * (trial % 4 > 0)   # nonincreasing, in steps
+        t_gen = lambda x, f=floor, w=work, d=drops: max(f, round(w / x, 1)) + float(d[x])
+        t_train = lambda y, w=rng.uniform(10, 5000): round(w / y, 2) if trial % 3 else w / y
+        calls = []
+        x, y, table, seen = searched_split(total, unit, sizes, lambda n: calls.append(n) or t_gen(n), t_train)
+        assert (x, y) == best_split(total, unit, sizes, t_gen, t_train)[:2], trial
+        candidates = len(range(unit, total - min(sizes) + 1, unit))
+        assert len(set(calls)) == len(calls) == len(seen) <= 2 * np.log2(max(candidates, 2)) + 3
+        assert {a for a, _, _ in table} == set(seen) and x in seen
+    with pytest.raises(ValueError):
+        searched_split(2, 4, [1], t_gen, t_train)
 
 
 def test_scale_up_rule():

@@ -347,3 +347,31 @@ def test_every_decision_is_imported_not_copied():
     assert run.TPPlanner is planner.TPPlanner and run.rl is rl and run.shrink_plan is shrink.shrink_plan
     assert run.milestone_due is shrink.milestone_due and run.take_shrink is shrink.take_shrink
     assert tp_switch.AdaptiveTP.after_step.__module__ == "jaxrl.rollout.tp_switch"
+
+
+def test_simulated_split_is_best_split_over_every_simulated_rollout(tmp_path):
+    """split=simulated: the disaggregated row's GPU split is `best_split` over T_g(x) = its first rollout
+    simulated on x GPUs, for every x (computed here one by one), T_t scaled from the baseline's training. The
+    search behind it (`searched_split`) simulated fewer rollouts than there are candidates, and the summary
+    records them. A 7B model's rollout of long-tailed responses stops speeding up with more GPUs, so the split
+    leaves the train pool more GPUs than scaling the generation time as work / GPUs would."""
+    import importlib
+
+    from jaxrl.config.loading import load_config
+    from jaxrl.train.balance import best_split, scaled
+
+    sim_mod = importlib.import_module("jaxrl.sim.simulate")     # (the package exports the function of that name)
+    cfg = load_config(SimConfig, ["model=qwen2.5-7b", "cluster.gpus=8", "workload.reward_s=0.001",
+                                  "workload.median=40", "workload.above=128", "workload.prompt_len=16",
+                                  "rollout.max_new_tokens=256", "engine={tp: 1, instances: 8, max_batch: 64, "
+                                  "max_seq_len: 288}", "algo={prompts_per_step: 32, group_size: 8}", "steps=2",
+                                  "rows=[baseline, disaggregated]", "split=simulated"])
+    base, dis = sim_mod.simulate(cfg, out=tmp_path, progress=False)["rows"]
+    cost, workload = sim_mod.build_cost(cfg, PRESETS["qwen2.5-7b"]), cfg.workload.build(cfg.rollout.max_new_tokens)
+    t_gen = {x: sim_mod._rollout_s(cfg, "disaggregated", cost, workload, None, x, False) for x in range(1, 8)}
+    t_train = scaled(base["forward_s"] + base["train_s"], 8)
+    assert (dis["gen_gpus"], dis["train_gpus"]) == best_split(8, 1, range(1, 8), t_gen.__getitem__, t_train)[:2]
+    seen = {int(x): t for x, t in dis["split_rollout_s"].items()}
+    assert len(seen) < 7 and all(t == t_gen[x] for x, t in seen.items())
+    by_work = best_split(8, 1, range(1, 8), scaled(base["rollout_s"] + base["reward_s"], 8), t_train)[:2]
+    assert dis["train_gpus"] > by_work[1] and t_gen[1] > t_gen[7]

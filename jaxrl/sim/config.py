@@ -17,7 +17,7 @@ A row is a name from `ROWS` or mechanism names joined by "+" (e.g. "tail_batchin
 | async_reward | RollPacker: rewards scored as responses finish, adaptive code timeouts (off: after the rollout, fixed T_max) |
 | stream_trainer | RollPacker: gradients on rollout devices freed mid-rollout (`trainer.stream`) |
 | skew | StreamRL: long-tail prompts to dedicated instances, LPT order (`rollout.skew`; the ranker is the workload's own lengths, blurred by `ranker_noise`) |
-| disaggregated | StreamRL: generation and training on their own GPUs (split by `train.balance.best_split`), samples streamed |
+| disaggregated | StreamRL: generation and training on their own GPUs (split by `train.balance.best_split`, see `split`), samples streamed |
 | async_steps | StreamRL's one-step-async, generalised: generation up to `max_staleness` policy versions ahead of training (the next rollouts run while this step trains; needs disaggregated) |
 | multi_controller | DistFlow: no central driver (off: every sample crosses the driver at each stage boundary) |
 
@@ -152,6 +152,9 @@ class WorkloadSection(Section):
                                    prompt_share=self.prompt_share, **common)
 
 
+SPLITS = ("scaled", "simulated")
+
+
 @dataclasses.dataclass(frozen=True)
 class SimConfig(Section):
     """`python -m jaxrl.sim`: simulate `steps` RL steps of every row on a virtual clock."""
@@ -169,6 +172,10 @@ class SimConfig(Section):
     steps: int = 10                         # RL steps per row (a tail-batching period is 5)
     prompts_per_gpu: int | None = None      # set: algo.prompts_per_step = this x cluster.gpus (weak scaling)
     max_staleness: int = 1                  # async_steps rows: generation up to this many versions ahead (trainer.max_staleness)
+    # disaggregated rows' GPU split, max(T_g(x), T_t(y)) smallest (StreamRL §4.2), T_t scaled from the baseline's
+    # training as work / GPUs; T_g: scaled the same way (scaled), or the row's first rollout simulated on x
+    # GPUs (simulated: a long tail does not shrink with more GPUs; O(log GPUs) rollouts, balance.searched_split)
+    split: str = "scaled"
     ranker_noise: float = 0.0               # skew: predicted length = the prompt's true mean x exp(noise x N(0,1)) (0: oracle)
     seed: int = 0
     sweep: str | None = None                # a dotted key to sweep (e.g. cluster.gpus), with `values`
@@ -182,6 +189,7 @@ class SimConfig(Section):
         for r in self.rows:
             mechanisms_of(r)
         check_int("max_staleness", self.max_staleness, minimum=1)
+        check_choice("split", self.split, SPLITS)
         check_float("ranker_noise", self.ranker_noise)
         if self.ranker_noise < 0:
             raise ConfigError("ranker_noise", f"must be >= 0, got {self.ranker_noise}")

@@ -4,7 +4,8 @@
 
 The baseline row runs first (every row's `speedup_vs_baseline` is the baseline's seconds per trained prompt
 over the row's). A disaggregated row splits the GPUs with StreamRL's `balance.best_split`, fed the
-baseline's measured stage times scaled by device count (`balance.scaled`). PAT needs a latency profile:
+baseline's measured stage times scaled by device count (`balance.scaled`), or with `split=simulated` its own
+rollout simulated on each candidate generation pool (`balance.searched_split`). PAT needs a latency profile:
 with the analytic cost model the profiler runs against it (`profile.simulated_profile`), written to
 `out/pat_profile.json`; with a measured profile (`cluster.profile`) that file is used.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from jaxrl.config.base import ConfigError
 from jaxrl.config.loading import load_config, to_yaml
 from jaxrl.rollout.adaptive_tp import Profile
-from jaxrl.train.balance import best_split, scaled
+from jaxrl.train.balance import best_split, scaled, searched_split
 from models import preset
 
 from .config import SimConfig, mechanisms_of
@@ -65,13 +66,14 @@ def simulate(cfg: SimConfig, *, out: Path, progress: bool = True) -> dict:
     profile = _pat_profile(cfg, model, cost, out) if any("pat" in mechanisms_of(r) for r in rows) else None
     if cfg.prompts_per_gpu is not None:
         cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, prompts_per_step=cfg.prompts_per_gpu * cfg.cluster.gpus))
-    results, base, timelines, records_by_row = [], None, {}, {}
+    results, base, timelines, records_by_row, splits = [], None, {}, {}, {}
     for row in rows:
         t0 = time.perf_counter()
         split = None
         m = set(mechanisms_of(row))
         if m & {"disaggregated", "async_steps"}:
-            split = _split(cfg, base)
+            split = _split(cfg, base, row, lambda x, row=row: _rollout_s(cfg, row, cost, workload, profile, x, progress),
+                           splits)
         sim = RowSim(cfg, row, cost, workload, profile=profile, split=split)
 
         def show(rec, row=row):
@@ -85,6 +87,8 @@ def simulate(cfg: SimConfig, *, out: Path, progress: bool = True) -> dict:
                                                             "train_gpus": sim.train_gpus,
                                                             "wall_s": time.perf_counter() - t0}
         summary |= busy(sim.timeline, sim.gen_gpus, sim.train_gpus, summary["seconds"], sim.disagg)
+        if split is not None and cfg.split == "simulated":
+            summary["split_rollout_s"] = {str(x): t for x, t in splits[_split_key(row)][2].items()}
         if row == "baseline":
             base = summary
         summary["speedup_vs_baseline"] = base["s_per_prompt"] / summary["s_per_prompt"] if base else 1.0
@@ -96,17 +100,42 @@ def simulate(cfg: SimConfig, *, out: Path, progress: bool = True) -> dict:
             "group_size": cfg.algo.group_size, "timelines": timelines, "steps_by_row": records_by_row}
 
 
-def _split(cfg: SimConfig, base: dict | None) -> tuple[int, int]:
-    """StreamRL's static split of the cluster from the baseline's stage times (generation = rollout + reward,
-    training = forwards + update), each scaled by device count."""
+def _split(cfg: SimConfig, base: dict | None, row: str, rollout_s, cache: dict) -> tuple[int, int]:
+    """StreamRL's static split of the cluster: max(T_g(x), T_t(y)) smallest, T_t the baseline's training
+    (forwards + update) scaled by GPU count; T_g the baseline's generation (rollout + reward) scaled the same
+    way (`split=scaled`), or `rollout_s(x)`, the row's rollout simulated on x GPUs (`split=simulated`, found by
+    `balance.searched_split`; one search per row's generation mechanisms, kept in `cache`)."""
     G, tp = cfg.cluster.gpus, cfg.engine.tp
     if base is None:
         raise ValueError("the baseline row runs first")
-    t_gen = scaled(base["rollout_s"] + base["reward_s"], G)
     t_train = scaled(base["forward_s"] + base["train_s"], G)
     sizes = [s for s in range(tp, G, tp)]
-    x, y, _ = best_split(G, tp, sizes, t_gen, t_train)
-    return x, y
+    if cfg.split == "scaled":
+        x, y, _ = best_split(G, tp, sizes, scaled(base["rollout_s"] + base["reward_s"], G), t_train)
+        return x, y
+    key = _split_key(row)
+    if key not in cache:
+        x, y, _, seen = searched_split(G, tp, sizes, rollout_s, t_train)
+        cache[key] = (x, y, seen)
+    return cache[key][:2]
+
+
+def _split_key(row: str) -> tuple[str, ...]:
+    """What a row's first rollout depends on: its mechanisms but async_steps (no older weights at step 0)."""
+    return tuple(sorted(set(mechanisms_of(row)) - {"async_steps"}))
+
+
+def _rollout_s(cfg: SimConfig, row: str, cost, workload, profile, x: int, progress: bool) -> float:
+    """T_g(x) for `split=simulated`: the row's first rollout (and the rewards it waits for), simulated with x GPUs
+    generating; StreamRL models generation time as a function of its resources, here by the same engine."""
+    sim = RowSim(dataclasses.replace(cfg, steps=1), row, cost, workload, profile=profile,
+                 split=(x, cfg.cluster.gpus - x))
+    rec = sim.step(0)
+    t = rec.rollout_s + rec.reward_s
+    if progress:
+        print(f"[sim] {row:>14} split: rollout on {x} of {cfg.cluster.gpus} GPUs {t:.2f} s ({rec.engine_steps} "
+              f"engine steps, {rec.preemptions} preemptions)", file=sys.stderr, flush=True)
+    return t
 
 
 def apply_sweep(cfg: SimConfig, value: str) -> SimConfig:

@@ -8,7 +8,10 @@ generation pool up during training when it falls behind.
 **Static split.** (x, y) = argmin over x + y <= total (x a multiple of the generation instance's devices,
 y a size the train layout can take) of max(T_g(x), T_t(y)), from stage-time functions the caller
 measured or modelled (`scaled`: a stage time measured on n devices, scaled as work / devices). Ties go
-to fewer devices in all, then to more generation devices.
+to fewer devices in all, then to more generation devices. `searched_split`: the same answer from
+O(log n) evaluations of T_g, for a T_g that is costly to evaluate (the simulator's `split=simulated` runs
+the rollout on x GPUs for each: StreamRL's generation time as a function of the resources, which a
+long-tailed rollout does not follow as work / devices).
 
 **Dynamic scale-up.** Generation lengths grow during RL (the paper's Figure 2), so T_g grows faster
 than T_t and δ = T_g − T_t widens. After each step, with k instances, adding one is predicted to save
@@ -28,6 +31,7 @@ process grows its pool at the same step, by one instance of its own.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +61,54 @@ def best_split(total: int, gen_unit: int, train_sizes: Sequence[int], t_gen: Cal
                          f"layout of {sorted(set(train_sizes))}")
     x, y, _ = min(table, key=lambda r: (round(r[2], 12), r[0] + r[1], -r[0]))
     return x, y, table
+
+
+def searched_split(total: int, gen_unit: int, train_sizes: Sequence[int], t_gen: Callable[[int], float],
+                   t_train: Callable[[int], float]) -> tuple[int, int, list[tuple[int, int, float]], dict[int, float]]:
+    """`best_split`'s answer where T_g(x) is costly to evaluate (StreamRL's generation time modelled by running
+    the rollout on x devices, as the simulator does), evaluating it at O(log(total / gen_unit)) points, not at
+    every x. Needs T_g nonincreasing in x (more devices never slow the rollout) and T_t decreasing in y.
+
+    With y(x) the largest train size that fits beside x, max(T_g(x), T_t(y(x))) is smallest where the two
+    curves cross: a binary search finds the first x with T_g(x) <= T_t(y(x)); the best value V is the better of
+    it and the x before it. A second search finds the fewest generation devices with T_g <= V. `best_split`
+    then decides over the evaluated points (T_g = inf elsewhere): its answer and tie-breaks are those of the
+    full enumeration (tests/test_pipeline.py checks it on random monotone curves). Returns (x, y, the table's
+    evaluated rows, {x: T_g(x)} evaluated)."""
+    sizes = sorted(set(train_sizes))
+    xs = list(range(gen_unit, total - sizes[0] + 1, gen_unit)) if sizes else []
+    if not xs:
+        raise ValueError(f"no split of {total} devices into generation groups of {gen_unit} and a train "
+                         f"layout of {sizes}")
+    seen: dict[int, float] = {}
+
+    def g(i: int) -> float:
+        if xs[i] not in seen:
+            seen[xs[i]] = float(t_gen(xs[i]))
+        return seen[xs[i]]
+
+    def tt(i: int) -> float:              # T_t on the largest train size beside xs[i]
+        return float(t_train(max(s for s in sizes if s <= total - xs[i])))
+
+    lo, hi = 0, len(xs)                   # the first i with T_g <= T_t(y(x)), len(xs) if none
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if g(mid) <= tt(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    near = [i for i in (lo - 1, lo) if 0 <= i < len(xs)]
+    best = min(max(g(i), tt(i)) for i in near)
+    lo, hi = 0, max(near)                 # the fewest generation devices with T_g <= best
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if g(mid) <= best:
+            hi = mid
+        else:
+            lo = mid + 1
+    g(lo)
+    x, y, table = best_split(total, gen_unit, sizes, lambda n: seen.get(n, math.inf), t_train)
+    return x, y, [r for r in table if math.isfinite(r[2])], dict(sorted(seen.items()))
 
 
 def scale_up_due(t_gen: float, t_train: float, instances: int) -> tuple[bool, float, float]:
