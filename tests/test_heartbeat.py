@@ -35,6 +35,20 @@ class FakeStore:
         return self.kv[key]
 
 
+def test_a_process_stuck_after_its_run_prints_every_thread_stack():
+    """heartbeat.ExitWatch (Trainer.close closes it first in multi-process runs): a process still alive
+    `seconds` after it writes each thread's stack (here: a non-daemon thread that never ends, the main
+    thread joining it at exit) and goes on; one that exits in time writes nothing."""
+    stuck = ("import threading, time; from jaxrl.train.heartbeat import ExitWatch; ExitWatch(0.5).close(); "
+             "threading.Thread(target=lambda: time.sleep(3), name='never-ends').start()")
+    r = subprocess.run([sys.executable, "-c", stuck], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Timeout (0:00:00.500000)!" in r.stderr and "Thread 0x" in r.stderr, r.stderr
+    assert "<lambda>" in r.stderr                       # the stuck thread's own frame
+    prompt = "from jaxrl.train.heartbeat import ExitWatch; ExitWatch(0.5).close()"
+    r = subprocess.run([sys.executable, "-c", prompt], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_a_silent_process_is_named_after_the_timeout(tmp_path):
     (tmp_path / "checkpoints" / "2").mkdir(parents=True)
     (tmp_path / "checkpoints" / "2" / "COMMITTED").write_text("")

@@ -16,7 +16,7 @@ import pytest
 from jaxrl.train import balance
 from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, PPO_DEVICES, ROLLOUT_KEYS, ROOT,
                               TAIL, TAIL_KINDS, TINY, WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process,
-                              _params, _train, layout)
+                              _params, _train, layout, log_tail)
 
 
 # Settings of the N-process run only. stream_kv_two warms up (every bucket compiled ahead, its local K/V gather
@@ -220,10 +220,10 @@ def test_all_mechanisms_recipes_run(tmp_path):
     victim.wait()
     for p in procs:
         log = p.communicate(timeout=900)[0]
-        assert p.returncode == 0, log[-6000:]
+        assert p.returncode == 0, log_tail(log)
     resumed = recipe(killed, **out)
     log = resumed.communicate(timeout=900)[0]
-    assert resumed.returncode == 0 and "resumed" in log, log[-6000:]
+    assert resumed.returncode == 0 and "resumed" in log, log_tail(log)
     assert [r["step"] for r in _metrics(killed)][-1] == 2
     for key in ("params", "opt_state"):      # (the newest checkpoints: step 3's, the runs' ends)
         for a, b in zip(_checkpoint_leaves(two, key), _checkpoint_leaves(killed, key)):

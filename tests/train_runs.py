@@ -318,3 +318,11 @@ def _one_process(tmp_path_factory, extra, devices):
         _train(_ONE_PROCESS_RUNS[key], *key, "save_every=1")
     return _ONE_PROCESS_RUNS[key]
 
+
+def log_tail(log: str, chars: int = 6000) -> str:
+    """The end of a failed multi-process run's log without the coordination service's abort noise (status
+    payloads and C++ stack frames, thousands of characters per process), so the lines that say what went
+    wrong, a stuck process's thread stacks (heartbeat.ExitWatch) among them, fit in the assertion message."""
+    keep = [line for line in log.splitlines() if "googleapis.com" not in line and "    @     0x" not in line]
+    return "\n".join(keep)[-chars:]
+

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrl.train.distributed import initialize
 
     initialize(cfg.distributed, local_devices(cfg))
-    from jaxrl.train.heartbeat import Heartbeat
+    from jaxrl.train.heartbeat import ExitWatch, Heartbeat
 
     heartbeat = Heartbeat.start(timeout_s=cfg.distributed.heartbeat_timeout, run_dir=cfg.run_dir)  # (None: 1 process)
     from jaxrl.runtime import enable_compilation_cache
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, plan)
     except StartupError as e:
         raise _error(str(e)) from None
+    if heartbeat is not None:       # several processes: one stuck after its run says where (heartbeat.ExitWatch)
+        trainer.exit_watch = ExitWatch()
     from jaxrl.train.rl import RewardsFailedError
 
     try:

@@ -38,6 +38,25 @@ PREFIX = "jaxrl/heartbeat/"
 DONE = "done"
 
 
+EXIT_WATCH_S = 120      # JAX's shutdown barrier waits 300 s for every process (jax.distributed's default)
+
+
+class ExitWatch:
+    """Closed at the end of a multi-process run, after its last collective (`Trainer.close` closes it first):
+    if this process has not exited `seconds` later (a close that blocks, a thread that never ends, so
+    Python's exit never reaches JAX's shutdown barrier), every thread's stack goes to stderr
+    (`faulthandler`), once, and the process goes on. Its peers then fail that barrier after 300 s ("tasks that
+    reached the barrier: 1/2"); the stacks say where this one stood. Exiting in time cancels it."""
+
+    def __init__(self, seconds: float = EXIT_WATCH_S):
+        self.seconds = seconds
+
+    def close(self) -> None:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(self.seconds, repeat=False, exit=False)
+
+
 def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest step directory of `run_dir/checkpoints` with its COMMITTED marker (None: none yet)."""
     root = Path(run_dir) / "checkpoints"

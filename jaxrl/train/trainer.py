@@ -80,6 +80,8 @@ def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
 
 
 class Trainer:
+    exit_watch = None      # closed first in close() (__main__'s multi-process runs: heartbeat.ExitWatch)
+
     def __init__(self, cfg: TrainConfig, plan: ResumePlan | None = None, timeline=None):
         """`plan`: the start-up decision of `preflight.plan_resume` (made here when None). `timeline`
         (`pipeline.Timeline`): record each pool's busy spans (benchmarks)."""
@@ -293,6 +295,6 @@ class Trainer:
         return history
 
     def close(self):
-        for part in (self.profiler, self.pool, self.metrics, self.train.worker):
+        for part in (self.exit_watch, self.profiler, self.pool, self.metrics, self.train.worker):
             if part is not None:
                 part.close()
