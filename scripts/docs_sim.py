@@ -114,6 +114,12 @@ def register(renders, load, table, footer, machine, load_module):
         verl, areal = paper["verl_fully_async"], paper["areal"]
         top = points[max(points, key=int)]
         best = max(top["async_speedup"].values())
+        probe = ""
+        if top.get("split_rollout_s"):          # split=simulated: the rollouts the split was chosen from
+            t = {int(x): s for x, s in top["split_rollout_s"].items()}
+            lo, hi = min(t), max(t)
+            probe = (f" Its split simulated {len(t)} rollouts, on {lo} to {hi} generation GPUs: {t[lo]:.1f} s on {lo}, "
+                     f"{t[hi]:.1f} s on {hi}.")
         return _sim_block(text + f"\nAt {max(points, key=int)} GPUs the best k gives {best:.2f}x over the synchronous "
                           f"colocated step; published: {verl['source']} {verl['speedup'][0]}-{verl['speedup'][1]}x; "
-                          f"{areal['source']} {areal['speedup']}x.")
+                          f"{areal['source']} {areal['speedup']}x.{probe}")
