@@ -21,6 +21,7 @@ thread is independent of the main thread's progress, so a long compile or a slow
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -52,8 +53,6 @@ class ExitWatch:
         self.seconds = seconds
 
     def close(self) -> None:
-        import faulthandler
-
         faulthandler.dump_traceback_later(self.seconds, repeat=False, exit=False)
 
 
