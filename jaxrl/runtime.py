@@ -27,8 +27,10 @@ process compiles and the other loads).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -185,14 +187,27 @@ class CompileCounter:
     happened since the previous `take()`: `{"compiles": n, "compile_s": seconds, "compile_cache_hits": k}`.
     A run whose shapes are bounded compiles nothing after its first steps; a non-zero `compiles` later
     on is a new shape (a bug to fix, not noise). One listener per process, installed on first use.
+    Compilations on a thread inside `background()` (a cold start's exact buckets, `jaxrl.train.background`)
+    are counted apart, as `compiles_background` / `compile_background_s`: they block no step.
     """
 
     _EVENT = "/jax/core/compile/backend_compile_duration"
     _HIT = "/jax/compilation_cache/cache_hits"
     _installed = False
-    _count = _hits = 0
-    _seconds = 0.0
+    _count = _hits = _bg_count = 0
+    _seconds = _bg_seconds = 0.0
     _names: list[str] = []
+    _thread = threading.local()
+
+    @classmethod
+    @contextlib.contextmanager
+    def background(cls):
+        """Count this thread's compilations as background ones while inside."""
+        cls._thread.background = True
+        try:
+            yield
+        finally:
+            cls._thread.background = False
 
     def __init__(self):
         cls = type(self)
@@ -200,11 +215,14 @@ class CompileCounter:
             jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
             jax.monitoring.register_event_listener(cls._on_event)
             cls._installed = True
-        self._last = (cls._count, cls._seconds, cls._hits)
+        self._last = (cls._count, cls._seconds, cls._hits, cls._bg_count, cls._bg_seconds)
 
     @classmethod
     def _on_duration(cls, event: str, duration: float, fun_name: str = "?", **_) -> None:
-        if event == cls._EVENT:
+        if event == cls._EVENT and getattr(cls._thread, "background", False):
+            cls._bg_count += 1
+            cls._bg_seconds += duration
+        elif event == cls._EVENT:
             cls._count += 1
             cls._seconds += duration
             cls._names.append(fun_name)
@@ -221,8 +239,10 @@ class CompileCounter:
 
     def take(self) -> dict:
         cls = type(self)
-        now = (cls._count, cls._seconds, cls._hits)
+        now = (cls._count, cls._seconds, cls._hits, cls._bg_count, cls._bg_seconds)
         delta = {"compiles": now[0] - self._last[0], "compile_s": now[1] - self._last[1],
                  "compile_cache_hits": now[2] - self._last[2]}
+        if now[3] > self._last[3]:
+            delta.update(compiles_background=now[3] - self._last[3], compile_background_s=now[4] - self._last[4])
         self._last = now
         return delta

@@ -1,6 +1,9 @@
 """Bounded shapes: every step a rollout (and a training update) runs has a shape from a fixed set that
 `warm()` compiles up front, so a ragged, long-tailed workload compiles nothing afterwards."""
 
+import dataclasses
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -36,14 +39,20 @@ def _ragged(rng, n, max_prompt, max_new):
     return out
 
 
+@pytest.mark.parametrize("coarse", [False, True], ids=["exact", "coarse"])
 @pytest.mark.parametrize("per_octave", [1, 2, 4])
-def test_scheduler_shapes_stay_in_the_declared_set(per_octave):
+def test_scheduler_shapes_stay_in_the_declared_set(per_octave, coarse):
     """A host-only run of the scheduler (no device): ragged prompts, geometric lengths, a pool small enough
-    to preempt (recompute prefills of prompt + generated tokens, chunked past prefill_chunk)."""
+    to preempt (recompute prefills of prompt + generated tokens, chunked past prefill_chunk). coarse: every
+    step rounds up to the cover shapes (a cold start's first rollout), which are members of the exact set."""
     rng = np.random.default_rng(per_octave)
     max_seq_len, ps = 120, 8
     sh = ShapeBuckets.build(max_batch=12, max_seq_len=max_seq_len, page_size=ps, prefill_chunk=64,
                             prefill_tokens=256, per_octave=per_octave)
+    assert set(sh.cover_decode_shapes()) <= set(sh.decode_shapes())
+    assert set(sh.cover_prefill_shapes()) <= set(sh.prefill_shapes())
+    if coarse:
+        sh = dataclasses.replace(sh, coarse=True)
     sched = Scheduler(40, ps, max_batch=12, prefill_chunk=64, prefill_tokens=256, shapes=sh)
     rid = 0
     for g, (prompt, p) in enumerate(_ragged(rng, 30, 40, 80)):
@@ -51,6 +60,8 @@ def test_scheduler_shapes_stay_in_the_declared_set(per_octave):
         rid += p.n
         sched.add(seqs)
     decode, prefill = set(sh.decode_shapes()), set(sh.prefill_shapes())
+    if coarse:
+        decode, prefill = set(sh.cover_decode_shapes()), set(sh.cover_prefill_shapes())
     seen_d, seen_p, steps = set(), set(), 0
     while sched.waiting or sched.running:
         groups = sched.admit()
@@ -73,6 +84,7 @@ def test_scheduler_shapes_stay_in_the_declared_set(per_octave):
     assert seen_d <= decode, seen_d - decode
     assert seen_p <= prefill, seen_p - prefill
     assert any(w == 64 for _, w, _ in seen_p)      # a chunked (recompute) prefill happened
+    assert not coarse or (seen_d == decode and len(seen_p) > 1)
 
 
 def test_warm_then_ragged_rollout_compiles_nothing():
@@ -99,11 +111,55 @@ def test_warm_then_ragged_rollout_compiles_nothing():
     assert CACHE.compiles == before and got["compiles"] == 0, counter.names()
 
 
+def test_cover_shapes_first_then_the_exact_buckets_compiled_on_a_thread():
+    """A cold start (trainer.background_compile): `warm(cover=True)` compiles only the cover shapes (one decode
+    shape, one prefill shape per chunk width) and a ragged, preempting rollout then compiles nothing more, every
+    step rounded up to them; meanwhile a thread compiles the exact buckets (counted apart:
+    `compiles_background`), after which a rollout on them compiles nothing. Same requests, same seeds: the
+    cover's tokens equal the exact buckets' and its float32 log-probs differ by rounding only (measured
+    9.5e-7 at most; XLA:CPU sums in another order for another batch or table width)."""
+    weights = init(jax.random.key(1), CFG)
+    sampled = SamplingParams(temperature=1.0)
+
+    def rollout(svc):
+        for prompt, p in _ragged(np.random.default_rng(1), 10, 30, 34):
+            svc.add(prompt, SamplingParams(max_new_tokens=p.max_new_tokens, n=p.n, temperature=1.0, seed=5))
+        outs = sorted(svc.run(), key=lambda c: c.request_id)
+        return [c.tokens for c in outs], np.concatenate([np.asarray(c.logprobs, np.float32) for c in outs])
+
+    svc = RolloutService(CFG, weights, devices=jax.devices()[:1], page_size=8, num_pages=10, max_batch=6,
+                         max_seq_len=56, prefill_chunk=32, prefill_tokens=96)
+    inst, counter = svc.instances[0], CompileCounter()
+    sh = inst.shapes
+    assert svc.warm([sampled], cover=True) == 1 + len(sh.widths) == len(sh.cover_decode_shapes() + sh.cover_prefill_shapes())
+    assert inst.sched.shapes.coarse and counter.take()["compiles"] > 0
+    background = []
+
+    def compile_exact():
+        with CompileCounter.background():      # (a per-thread flag: the rollout's thread still counts as foreground)
+            background.append(inst.compile_exact((False,)))
+
+    thread = threading.Thread(target=compile_exact)
+    thread.start()
+    cover_tokens, cover_logp = rollout(svc)
+    got = counter.take()
+    thread.join()
+    assert svc.stats()[0]["preemptions"] > 0
+    assert got["compiles"] == 0, counter.names()          # the cover shapes served every step
+    inst.use_exact()
+    late = counter.take()
+    assert background[0] == len(sh.decode_shapes()) + len(sh.prefill_shapes()) - 1 - len(sh.widths)
+    assert late["compiles"] == 0 and got.get("compiles_background", 0) + late.get("compiles_background", 0) == background[0]
+    exact_tokens, exact_logp = rollout(svc)
+    assert counter.take()["compiles"] == 0, counter.names()   # every exact bucket was compiled on the thread
+    assert cover_tokens == exact_tokens
+    np.testing.assert_allclose(cover_logp, exact_logp, rtol=0, atol=1e-5)
+
+
 def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
     """The trainer's update over fixed-shape micro-batches (rl.micro_batches + Updater) equals the fused
     whole-batch step (rl.global_batch + make_train_step, its unoptimised twin) within float32 rounding, on
     an FSDP2 mesh; after `warm()` updates on batches of other sizes compile nothing."""
-    import dataclasses
 
     from jaxrl.config.loading import from_yaml_file
     from jaxrl.config.train import TrainConfig

@@ -129,7 +129,8 @@ def test_quickstart_metrics_unchanged(tmp_path, backward):
     refactor (tests/golden/quickstart_short.json): same seed -> the same rollouts and rewards exactly, the
     same losses within float32 rounding; and after its warm-up it compiles nothing (a ragged workload:
     response lengths vary step to step). With trainer.backward=blockwise too (rollout K/V), which
-    also reports the blocks it ran."""
+    also reports the blocks it ran. The goldens predate background compilation (on here: step 0's rollout
+    on the cover shapes), so they also pin that it changes no token and no loss beyond float32 rounding."""
     golden = json.loads((ROOT / "tests" / "golden" / "quickstart_short.json").read_text())
     run_main([f"run_dir={tmp_path}", "steps=6", "warm_start.steps=10", "save_every=null", "export_hf=false",
               *BACKWARD[backward]], timeout=900, env=DEFAULT_OPT)
@@ -146,6 +147,7 @@ def test_quickstart_metrics_unchanged(tmp_path, backward):
         if step:      # bounded shapes: everything was compiled by the warm-up before step 0 finished
             assert row["compiles"] == 0, (step, row["compiles"])
         assert (row.get("blockwise/blocks", 0) > 0) == (backward != "full")
+    assert "warmup/background_wait_s" in rows[1]      # (the default background compilation: step 0 on the cover)
 
 
 def test_planner_raises_and_lowers_tp(tmp_path):

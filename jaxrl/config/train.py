@@ -124,6 +124,9 @@ class TrainerSection(Section):
     gradient step serves every batch and memory is bounded by the micro-batch; `algo.micro_batches` then
     must stay 1. null: one fused step over the whole batch, rows bucketed (a compile per new row count).
     `warmup`: compile every shape the run can use (rollout buckets, the update) before the first step.
+    `background_compile` (with warmup, a run starting at step 0): only each rollout instance's cover shapes
+    compile before step 0, whose rollout rounds every step up to them; the exact buckets and the update
+    compile on a thread meanwhile, and step 1's rollout waits for them (`jaxrl.train.background`).
     `backward`: "full" differentiates each micro-batch's rows whole; "blockwise" is MetroRLHF's backward
     (`jaxrl.train.blockwise`): blocks of `block_size` tokens from the last to the first, the earlier
     positions' K/V taken from a cache (`kv_source`: "recompute" = one forward pass that keeps only K/V,
@@ -135,6 +138,7 @@ class TrainerSection(Section):
     fused_loss: bool = True              # loss + lm_head gradient in one pass (kernels.logprob_loss)
     micro_batch_tokens: int | None = 2048    # fixed micro-batch (tokens): one compiled step for any batch; null = whole batch
     warmup: bool = True                  # compile every rollout and update shape before the first step
+    background_compile: bool = True      # ...only the cover shapes before it, the rest on a thread during step 0
     backward: str = "full"               # full or blockwise (MetroRLHF: blocks last to first over cached K/V)
     block_size: int = 256                # blockwise: tokens per block (T)
     kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)

@@ -224,9 +224,14 @@ class Executor:
                   (weights, kv.k, kv.v, zeros(rows, width), zeros(rows), zeros(rows), zeros(rows, pages)))
                  for rows, width, pages in prefill]
         jobs = [j for j in jobs if not self.cache.has(j[0], j[1], *j[2], cfg=self.cfg, impl=self.impl)]
-        if jobs:
-            with concurrent.futures.ThreadPoolExecutor(min(len(jobs), workers or compile_workers())) as pool:
-                list(pool.map(lambda j: self.cache.compile(j[0], j[1], *j[2], cfg=self.cfg, impl=self.impl), jobs))
+        one = lambda j: self.cache.compile(j[0], j[1], *j[2], cfg=self.cfg, impl=self.impl)  # noqa: E731
+        threads = min(len(jobs), workers or compile_workers())
+        if threads == 1:              # in this thread (a background compile stays on its own thread)
+            for j in jobs:
+                one(j)
+        elif jobs:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, jobs))
         return len(jobs)
 
 

@@ -159,20 +159,45 @@ class Instance:
         return Completion(s.rid, s.prompt, s.out, s.logprobs, "stop", self.index, s.preemptions, kv, s.appended)
 
     # ------------------------------------------------------------------ steps
-    def warm(self, *, truncate=(False,), export: bool = False) -> int:
+    def warm(self, *, truncate=(False,), export: bool = False, cover: bool = False) -> int:
         """Compile every step shape this instance can run (`self.shapes`: decode, prefill, page copies),
         for each sampler variant in `truncate`, and with `export` the K/V export of every page-count bucket
         (`return_kv`); returns how many executables that compiled (0 when they are all cached; exports are
-        not counted: they are plain jitted functions). Afterwards no rollout on this instance compiles."""
+        not counted: they are plain jitted functions). Afterwards no rollout on this instance compiles.
+        `cover`: only the cover shapes, and every step rounds up to them (`ShapeBuckets.coarse`) until
+        `use_exact()`; `compile_exact` compiles the rest meanwhile (on another thread)."""
         before = CACHE.compiles
         if export:
             self.kv.warm_export(self.shapes.max_pages)
         sh = self.shapes
-        self.kv = self.executor.warm(self.weights, self.kv, decode=sh.decode_shapes(), prefill=sh.prefill_shapes(),
-                                     truncate=truncate)
+        if cover:
+            self.use_shapes(dataclasses.replace(sh, coarse=True))
+        decode, prefill = (sh.cover_decode_shapes(), sh.cover_prefill_shapes()) if cover else \
+            (sh.decode_shapes(), sh.prefill_shapes())
+        self.kv = self.executor.warm(self.weights, self.kv, decode=decode, prefill=prefill, truncate=truncate)
         for n in sh.copy_shapes(self.max_batch):     # copy-on-write of shared prompt pages: scratch -> scratch
             self.kv = self.kv.copy_pages([(0, 0)] * n)
         return CACHE.compiles - before
+
+    def compile_exact(self, truncate=(False,), stop=None) -> int:
+        """Compile (nothing runs) every decode and prefill shape of the exact buckets, one at a time, in the
+        calling thread, until `stop` (a threading.Event) is set; returns how many were new."""
+        sh, n = self.shapes.exact(), 0
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        w, kv = jax.tree.map(abstract, self.weights), KVStore(abstract(self.kv.k), abstract(self.kv.v))
+        for d in sh.decode_shapes():         # (the abstract inputs: the rollout meanwhile donates its K/V)
+            n += 0 if stop is not None and stop.is_set() else \
+                self.executor.compile_all(w, kv, decode=[d], truncate=truncate, workers=1)
+        for p in sh.prefill_shapes():
+            n += 0 if stop is not None and stop.is_set() else self.executor.compile_all(w, kv, prefill=[p], workers=1)
+        return n
+
+    def use_shapes(self, shapes: ShapeBuckets) -> None:
+        self.shapes = self.sched.shapes = shapes
+
+    def use_exact(self) -> None:
+        """Every later step on its exact bucket (after a `warm(cover=True)`)."""
+        self.use_shapes(self.shapes.exact())
 
     def _drain(self):
         while self._inflight:

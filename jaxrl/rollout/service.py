@@ -56,6 +56,11 @@ ATTENTION_IMPLS = ("xla", "pallas")   # xla: CPU default; pallas: GPU kernels (i
 KV_MODES = ("migrate", "recompute")
 
 
+def truncate_variants(params: Seq[SamplingParams]) -> tuple[bool, ...]:
+    """The sampler variants `params` run: whether top-k/top-p is compiled in."""
+    return tuple(sorted({p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params}))
+
+
 class RolloutService:
     synced_bytes = 0        # weight bytes the syncs (update_weights, relayout(weights=)) moved, in total
     # A weight sync (an instance's first copy, `update_weights`, a relayout given new weights) moves a stacked leaf
@@ -208,15 +213,15 @@ class RolloutService:
         self._versions[rid] = [*map(tuple, versions), (len(tokens), self.version)]
         return rid
 
-    def warm(self, params: Seq[SamplingParams] = (SamplingParams(),)) -> int:
+    def warm(self, params: Seq[SamplingParams] = (SamplingParams(),), *, cover: bool = False) -> int:
         """Compile, on every instance, each step shape it can run (its bounded `ShapeBuckets`) with the
         sampler variants `params` need (whether top-k/top-p is compiled in), and the K/V export of every
         page-count bucket when some params have `return_kv`; returns the number of new
         executables. Afterwards rollouts with such params compile nothing (instances rebuilt on the same
-        layout reuse the executables)."""
-        truncate = tuple(sorted({p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params}))
+        layout reuse the executables). `cover`: only each kind's cover shape, every step rounded up to it
+        until the instances' `use_exact()` (`Instance.warm`; `jaxrl.train.background`)."""
         export = any(p.return_kv for p in params)
-        return sum(inst.warm(truncate=truncate, export=export) for inst in self.instances)
+        return sum(inst.warm(truncate=truncate_variants(params), export=export, cover=cover) for inst in self.instances)
 
     def _instance(self, index: int | None) -> Instance:
         if index is not None:

@@ -17,6 +17,14 @@ afterwards (tests/test_bounded_shapes.py).
                                  allows, pages from the same ladder (>= the chunk's own pages).
   copies   (n,)                  copy-on-write page copies padded to powers of two.
 
+`coarse=True` (a cold start's first rollout, `trainer.background_compile`): every step rounds up to the cover
+of its kind instead, decode to (max_batch, max_pages) and prefill to (the width's rows cap, width, max_pages),
+so a run starts after compiling `cover_decode_shapes()` + `cover_prefill_shapes()` (1 + one per chunk width)
+while the exact buckets compile in the background; `exact()` switches back. A row's float32 log-probs depend
+on its bucket by rounding (~1e-6: another batch size or table width changes XLA:CPU's summation order), so a
+sampled token could too (a near-tie; none seen in tests/test_bounded_shapes.py): a run rounds up to the
+cover at a fixed step (its first rollout), never "while the exact one is not ready", so it stays reproducible.
+
 Measured (decode step time vs rows, tiny-char and the 3.2M shape on the CPU; decoded rows per generated
 token on a geometric-length tail, see README "Throughput"): powers of two pad a shrinking batch by
 ~1.3x in rows; 2 steps per octave ~1.1-1.2x; 4 steps ~1.04-1.09x at twice the executables.
@@ -64,6 +72,7 @@ class ShapeBuckets:
     prefill_rows: tuple[int, ...]      # prefill rows
     prefill_tokens: int                # rows * width of one prefill call at most
     page_size: int
+    coarse: bool = False               # round every step up to the cover of its kind
 
     MIN_PAGES = 4                      # narrower tables save little and cost executables
 
@@ -84,7 +93,8 @@ class ShapeBuckets:
         return self.pages[-1]
 
     def decode(self, rows: int, pages: int) -> tuple[int, int]:
-        return up(self.batch, rows), up(self.pages, pages)
+        rows, pages = up(self.batch, rows), up(self.pages, pages)        # (checks the limits in both modes)
+        return (self.batch[-1], self.max_pages) if self.coarse else (rows, pages)
 
     def prefill_width(self, longest: int) -> int:
         """The chunk width for a call whose longest remaining prompt part is `longest` tokens."""
@@ -95,7 +105,8 @@ class ShapeBuckets:
         return down(self.prefill_rows, max(1, self.prefill_tokens // width))
 
     def prefill(self, rows: int, width: int, pages: int) -> tuple[int, int, int]:
-        return up(self.prefill_rows, rows), width, up(self.pages, pages)
+        rows, pages = up(self.prefill_rows, rows), up(self.pages, pages)
+        return (self.prefill_rows_cap(width), width, self.max_pages) if self.coarse else (rows, width, pages)
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         return [(r, p) for r in self.batch for p in self.pages]
@@ -110,6 +121,17 @@ class ShapeBuckets:
             out += [(r, w, p) for r in self.prefill_rows if r <= self.prefill_rows_cap(w)
                     for p in self.pages if p >= least]
         return out
+
+    def cover_decode_shapes(self) -> list[tuple[int, int]]:
+        """The one decode shape a coarse step runs: the largest of both ladders."""
+        return [(self.batch[-1], self.max_pages)]
+
+    def cover_prefill_shapes(self) -> list[tuple[int, int, int]]:
+        """The prefill shapes a coarse step runs: per chunk width, its rows cap over the widest table."""
+        return [(self.prefill_rows_cap(w), w, self.max_pages) for w in self.widths]
+
+    def exact(self) -> "ShapeBuckets":
+        return dataclasses.replace(self, coarse=False)
 
     def copy_shapes(self, max_copies: int) -> list[int]:
         return list(ladder(1 << max(0, (max_copies - 1).bit_length())))

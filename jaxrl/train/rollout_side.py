@@ -43,6 +43,7 @@ from jaxrl.rollout.planner import RolloutLayout, TPPlanner, apply as apply_layou
 from jaxrl.rollout.tail_batching import TailBatcher, launch_counts
 
 from . import rl
+from .background import BackgroundCompile
 from .batch import Sample, trained_mask
 from .context import Policy
 from .distributed import allgather, exchange, global_sum
@@ -104,6 +105,7 @@ class RolloutSide:
         self.turns = turns              # multi-turn (rollout.env): trajectories with an environment
         self.engine_version = 0         # the step whose weights the generation instances hold
         self.ahead: collections.deque[Prefetched] = collections.deque()   # rollouts of later steps, already made
+        self.background: BackgroundCompile | None = None     # the warm-up's thread, until step 1's rollout starts
         self.instances = cfg.engine.instances   # the instances a rollout starts on: configured, or scaled up (`grow`)
         n_proc, per_step, tb = jax.process_count(), cfg.algo.prompts_per_step // jax.process_count(), \
             cfg.rollout.tail_batching
@@ -174,6 +176,9 @@ class RolloutSide:
         waves, or a long round from the queue), on the weights the generation instances hold now.
         `score=False`: no rewards here (the graph's reward node scores the batch afterwards)."""
         cfg, version = self.cfg, self.engine_version      # (a mid-rollout swap may raise it: its tokens say so)
+        waited = None
+        if step > 0 and self.background is not None:      # every later rollout on the exact buckets
+            waited, self.background = self.background.finish(self.svc), None
         score = score or self.turns is not None     # multi-turn: the environments score during the rollout
         t0 = time.perf_counter()
         preempted = total_preemptions(self.svc)
@@ -215,6 +220,8 @@ class RolloutSide:
             comps, rewards, rstats = rollout(rows)
         preempted = int(global_sum(total_preemptions(self.svc) - preempted))
         mech = self._mechanism_metrics(step, plan, preempted)
+        if waited is not None:
+            mech["warmup/background_wait_s"] = waited
         if self.turns:
             mech.update(env_metrics(rstats["env"]))
         if cfg.trainer.max_staleness and (self.planner or self.svc.adaptive is not None):

@@ -185,11 +185,11 @@ class Trainer:
         """Compile every executable the RL steps will run (`warm_up.py`)."""
         if not self.cfg.trainer.warmup:
             return
-        t0 = time.perf_counter()
-        n = warm_up(self.update, self.rollout, critic=self.train.critic, balance=self.balance)
+        t0, bg = time.perf_counter(), self.cfg.trainer.background_compile and self.step == 0
+        n = warm_up(self.update, self.rollout, critic=self.train.critic, balance=self.balance, background=bg)
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
-            print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s",
-                  flush=True)
+            print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s"
+                  + ", the rest on a thread during step 0" * bg, flush=True)
 
     # ------------------------------------------------------------------------------------- RL step
     def rl_step(self) -> dict:
@@ -295,6 +295,6 @@ class Trainer:
         return history
 
     def close(self):
-        for part in (self.exit_watch, self.profiler, self.pool, self.metrics, self.train.worker):
+        for part in (self.rollout.background, self.exit_watch, self.profiler, self.pool, self.metrics, self.train.worker):
             if part is not None:
                 part.close()

@@ -7,16 +7,23 @@ What it compiles: the rollout instances' bounded step shapes (and PAT's other la
 engine.adaptive_tp.warm), the update over its fixed micro-batch shape (grad, apply, log-probs; the
 rollout K/V path's staging and packed gather), the critic's value pass and update, the stream trainer's
 executables on the devices it frees, the gradient stream's final sum, every spare instance of a scale-up,
-the length ranker's step, and the weight sync.
+the length ranker's step, and the weight sync. With `background` (`trainer.background_compile`, a run
+starting at step 0) the home instances' exact buckets and the update compile on a thread meanwhile
+(`background.py`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl.rollout.service import truncate_variants
+
 from . import corrections
+from .background import BackgroundCompile
 from .balance import ScaleUp
 from .batch import FIELDS, INT_FIELDS
 from .context import UpdateContext
@@ -37,10 +44,13 @@ def micro_batch_abstract(uc: UpdateContext) -> dict:
                                     sharding=sharding) for k in keys}
 
 
-def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balance: ScaleUp | None) -> int:
-    """Compile everything the RL steps run; returns how many rollout/update executables were compiled."""
+def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balance: ScaleUp | None,
+            background: bool = False) -> int:
+    """Compile everything the RL steps run; returns how many rollout/update executables were compiled.
+    `background`: the home layout's rollout instances compile only their cover shapes here, and the update's
+    executables and the exact buckets go to a thread (`rs.background`, `jaxrl.train.background`)."""
     svc, pol, cfg, sampling = rs.svc, uc.policy, uc.cfg, rs.sampling_params()
-    n = svc.warm(sampling)
+    jobs, n = [], 0 if background else svc.warm(sampling)      # (background: the cover shapes at the end)
     if svc.adaptive is not None and cfg.engine.adaptive_tp.warm:   # PAT: a switch compiles nothing
         n += svc.adaptive.warm_layouts(svc, sampling)
     if uc.updater is not None:
@@ -50,8 +60,14 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
             uc.stager.warm(*export_pages(cfg), uc.mb_rows, row_len)
             extra["kv"] = uc.stager.abstract(uc.mb_rows, row_len)
         grad_mb, c = corrections.warm(uc, pol.params, mb)       # the off-policy objective's inputs
-        n += c + uc.updater.warm(pol.params, pol.opt_state, grad_mb, own_logp=needs_policy_logprobs(cfg),
-                             logp_params=[pol.ref_params] if pol.ref_params is not None else [], **extra)
+        n += c
+        update = functools.partial(uc.updater.warm, abstract(pol.params), abstract(pol.opt_state), grad_mb,
+                                   own_logp=needs_policy_logprobs(cfg), **extra,
+                                   logp_params=[abstract(pol.ref_params)] if pol.ref_params is not None else [])
+        if background:
+            jobs.append(lambda stop: update())
+        else:
+            n += update()
         if critic is not None:      # PPO: the value pass and the critic's update
             n += critic.warm(mb)
         if rs.stream:        # the freed devices' gradient / reference executables
@@ -73,4 +89,15 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
     if rs.skew:              # the length ranker's train step and forward
         rs.skew.ranker.warm()
     svc.update_weights(pol.params)
+    if background:     # the home instances as they are now (PAT's layouts and a scale-up rebuild them)
+        n += svc.warm(sampling, cover=True)
+        truncate = truncate_variants(sampling)
+        jobs += [functools.partial(inst.compile_exact, truncate) for inst in svc.instances]
+        rs.background = BackgroundCompile.start(jobs)
     return n
+
+
+def abstract(tree):
+    """ShapeDtypeStructs (with shardings) of a tree of arrays: what a compilation on another thread reads
+    while this one goes on (and donates the arrays)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
