@@ -77,7 +77,7 @@ def register(renders, load, table, footer, results_dir):
         d = load(COLD)
         s, rows = d["summary"], []
         for mode, label in (("blocking", "everything before step 0 (`background_compile=false`)"),
-                            ("background", "cover shapes before step 0, the rest on a thread (default)")):
+                            ("background", "step 0's shapes on a thread beside the warm start, the rest after step 0 (default)")):
             runs = [r for r in d["runs"] if r["mode"] == mode]
             m = s["modes"][mode]
             first = m["first_step_s"]

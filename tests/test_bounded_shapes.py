@@ -3,6 +3,7 @@
 
 import dataclasses
 import threading
+import time
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from jaxrl.rollout.params import prompt_seed
 from jaxrl.rollout.scheduler import Sequence
 from jaxrl.rollout.shapes import ShapeBuckets, ladder, up
 from jaxrl.runtime import CompileCounter
+from jaxrl.train.background import BackgroundCompile
 from models import PRESETS, init
 
 CFG = PRESETS["tiny-qwen3"]
@@ -154,6 +156,46 @@ def test_cover_shapes_first_then_the_exact_buckets_compiled_on_a_thread():
     assert counter.take()["compiles"] == 0, counter.names()   # every exact bucket was compiled on the thread
     assert cover_tokens == exact_tokens
     np.testing.assert_allclose(cover_logp, exact_logp, rtol=0, atol=1e-5)
+
+
+def test_background_compile_runs_step_0s_shapes_first_and_the_exact_buckets_once_released():
+    """`BackgroundCompile` (a cold start's thread, `warm_up.start_early`): its first jobs (the cover shapes, from
+    `Instance.compile_jobs(cover=True)`) compile at once and the exact buckets not before `finish` (step 1's
+    rollout): compiling them beside the warm start and step 0 only slowed those on 2 cores. `warm(cover=True)`
+    after the first phase compiles nothing (it runs what the thread compiled); `finish` compiles the rest on the
+    thread's workers, every one counted as a background compilation, and then a rollout compiles nothing.
+    `close` before `finish` never starts the exact buckets."""
+    weights = init(jax.random.key(2), CFG)
+    sampled = SamplingParams(temperature=1.0)
+
+    def service():    # (shapes no other test here compiles: the executable cache is the process's)
+        return RolloutService(CFG, weights, devices=jax.devices()[:1], page_size=8, num_pages=10, max_batch=5,
+                              max_seq_len=48, prefill_chunk=16, prefill_tokens=80)
+
+    svc, counter = service(), CompileCounter()
+    inst = svc.instances[0]
+    sh = inst.shapes
+    first, later = inst.compile_jobs((False,), cover=True), inst.compile_jobs((False,))
+    cover, exact = len(sh.cover_decode_shapes() + sh.cover_prefill_shapes()), len(sh.decode_shapes() + sh.prefill_shapes())
+    assert len(first) == cover and len(later) == exact > cover
+    bg = BackgroundCompile.start(first, later)
+    deadline = time.monotonic() + 120
+    while bg.compiled < cover and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert bg.compiled == cover and bg.thread.is_alive()      # the exact buckets wait for finish()
+    assert svc.warm([sampled], cover=True) == 0 and inst.sched.shapes.coarse
+    waited = bg.finish(svc)
+    assert waited > 0 and bg.compiled == exact and not inst.sched.shapes.coarse     # (the cover is among them)
+    got = counter.take()
+    assert got.get("compiles_background") == exact and got.get("compiles", 0) == 0, counter.names()
+    for prompt, p in _ragged(np.random.default_rng(2), 8, 24, 30):
+        svc.add(prompt, SamplingParams(max_new_tokens=p.max_new_tokens, n=p.n, temperature=1.0, seed=7))
+    assert len(svc.run()) > 8 and counter.take()["compiles"] == 0, counter.names()
+    other = service().instances[0]
+    bg = BackgroundCompile.start([], other.compile_jobs((False,)))
+    bg.close()
+    assert bg.compiled == 0
 
 
 def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():

@@ -124,9 +124,10 @@ class TrainerSection(Section):
     gradient step serves every batch and memory is bounded by the micro-batch; `algo.micro_batches` then
     must stay 1. null: one fused step over the whole batch, rows bucketed (a compile per new row count).
     `warmup`: compile every shape the run can use (rollout buckets, the update) before the first step.
-    `background_compile` (with warmup, a run starting at step 0): only each rollout instance's cover shapes
-    compile before step 0, whose rollout rounds every step up to them; the exact buckets and the update
-    compile on a thread meanwhile, and step 1's rollout waits for them (`jaxrl.train.background`).
+    `background_compile` (with warmup, a run starting at step 0): only what step 0 runs compiles before it
+    (each rollout instance's cover shapes, which its rollout rounds every step up to, and the update: on a
+    thread beside the warm start); the exact buckets compile when step 0 is done, and step 1's rollout
+    waits for them (`jaxrl.train.background`).
     `backward`: "full" differentiates each micro-batch's rows whole; "blockwise" is MetroRLHF's backward
     (`jaxrl.train.blockwise`): blocks of `block_size` tokens from the last to the first, the earlier
     positions' K/V taken from a cache (`kv_source`: "recompute" = one forward pass that keeps only K/V,

@@ -26,6 +26,7 @@ rather than being mixed into decode batches chunk by chunk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 
@@ -179,18 +180,26 @@ class Instance:
             self.kv = self.kv.copy_pages([(0, 0)] * n)
         return CACHE.compiles - before
 
-    def compile_exact(self, truncate=(False,), stop=None) -> int:
-        """Compile (nothing runs) every decode and prefill shape of the exact buckets, one at a time, in the
-        calling thread, until `stop` (a threading.Event) is set; returns how many were new."""
-        sh, n = self.shapes.exact(), 0
+    def compile_jobs(self, truncate=(False,), *, cover: bool = False) -> list:
+        """One job per decode and prefill shape of the exact buckets (`cover`: only the cover shapes, what
+        `warm(cover=True)` then runs): job(stop=None) compiles that shape (nothing runs) from abstract inputs
+        taken now (the rollout meanwhile donates its K/V), unless `stop` (a threading.Event) is set; returns
+        1 if it was new. Any thread may run them (`jaxrl.train.background`)."""
+        sh = self.shapes.exact()
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         w, kv = jax.tree.map(abstract, self.weights), KVStore(abstract(self.kv.k), abstract(self.kv.v))
-        for d in sh.decode_shapes():         # (the abstract inputs: the rollout meanwhile donates its K/V)
-            n += 0 if stop is not None and stop.is_set() else \
-                self.executor.compile_all(w, kv, decode=[d], truncate=truncate, workers=1)
-        for p in sh.prefill_shapes():
-            n += 0 if stop is not None and stop.is_set() else self.executor.compile_all(w, kv, prefill=[p], workers=1)
-        return n
+        decode, prefill = (sh.cover_decode_shapes(), sh.cover_prefill_shapes()) if cover else \
+            (sh.decode_shapes(), sh.prefill_shapes())
+        ex = self.executor
+
+        def job(stop=None, **shape) -> int:
+            return 0 if stop is not None and stop.is_set() else ex.compile_all(w, kv, workers=1, **shape)
+        return [functools.partial(job, decode=[d], truncate=truncate) for d in decode] + \
+            [functools.partial(job, prefill=[p]) for p in prefill]
+
+    def compile_exact(self, truncate=(False,), stop=None, *, cover: bool = False) -> int:
+        """`compile_jobs` one after another in the calling thread; returns how many were new."""
+        return sum(job(stop=stop) for job in self.compile_jobs(truncate, cover=cover))
 
     def use_shapes(self, shapes: ShapeBuckets) -> None:
         self.shapes = self.sched.shapes = shapes

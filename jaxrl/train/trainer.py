@@ -8,16 +8,15 @@ stage does lives in its own module (ARCHITECTURE.md, "Components"). Synchronous 
              [stream trainer] -> rollout instances -> [train pool thread, gradient stream, scale-up] -> the
              rollout side (`rollout_side.RolloutSide`: loader, tail batching, skew placement, planner, PAT)
              -> the step's graph (`jaxrl.flow`) -> checkpoints (resume if any: `run_state`) and metrics
-    warm-up: every executable the RL steps run (`warm_up.py`), so they compile nothing
     warm start (optional): supervised steps on the built-in tasks' demonstrations (skipped for other data)
+    warm-up: every executable the RL steps run (`warm_up.py`; its thread may start with the warm start)
     each RL step: the chain `algo.graph` plans, run on the components (`flow.TrainContext`; built-in
              nodes in `jaxrl/flow/nodes.py`: rollout => rewards -> advantages -> [repartition] ->
              [reference] -> update), then the weights into the rollout instances (`RolloutSide.sync`: on
              the layout the next rollout starts on) and the step's metrics
     end:     checkpoint, HF export (weights, tokenizer, generation config), curves.png
 
-A run that fails before its first RL step completes leaves nothing a later run would resume from: its
-checkpoint 0 and the config.yaml it wrote are removed, so a retry with another config starts clean.
+A run that fails before its first RL step leaves nothing to resume from (its checkpoint 0 and config.yaml go).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from .step_metrics import carry_metrics, placement_metrics, staleness_metrics, s
 from .stream import StreamTrainer
 from .trajectories import MultiTurn
 from .warm_start import supervised_warm_start
-from .warm_up import warm_up
+from .warm_up import start_early, warm_up
 
 log = logging.getLogger("jaxrl.train")
 
@@ -169,7 +168,8 @@ class Trainer:
     # ------------------------------------------------------------------------------- before RL steps
     def warm_start(self):
         """Supervised steps on demonstrations (built-in tasks), before RL; skipped on resume. With LoRA they
-        train the base weights (full-parameter), not the adapters."""
+        train the base weights (full-parameter), not the adapters. The warm-up's thread compiles meanwhile."""
+        start_early(self.update, self.rollout, balance=self.balance, step=self.step)
         if self.cfg.warm_start.steps == 0 or self.resumed:
             return
         uc, params = self.update, self.policy.params

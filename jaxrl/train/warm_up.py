@@ -8,8 +8,9 @@ engine.adaptive_tp.warm), the update over its fixed micro-batch shape (grad, app
 rollout K/V path's staging and packed gather), the critic's value pass and update, the stream trainer's
 executables on the devices it frees, the gradient stream's final sum, every spare instance of a scale-up,
 the length ranker's step, and the weight sync. With `background` (`trainer.background_compile`, a run
-starting at step 0) the home instances' exact buckets and the update compile on a thread meanwhile
-(`background.py`).
+starting at step 0) the update compiles on a thread (`background.py`; beside the supervised warm start when
+`start_early` could start it, with the cover shapes step 0's rollout runs on), and the home instances' exact
+buckets once step 0 is done.
 """
 
 from __future__ import annotations
@@ -44,30 +45,64 @@ def micro_batch_abstract(uc: UpdateContext) -> dict:
                                     sharding=sharding) for k in keys}
 
 
+def start_early(uc: UpdateContext, rs: RolloutSide, *, balance: ScaleUp | None, step: int) -> None:
+    """Before the supervised warm start of a run starting at step 0 (`trainer.warmup` and
+    `trainer.background_compile`): the background thread starts now, on jobs that need only abstract weights
+    (the warm start changes their values, not their shapes or shardings): each home instance's cover shapes
+    (compiled only; `warm_up` runs them), then the update's executables, and once step 0 is done the exact
+    buckets (`BackgroundCompile.finish`). So what step 0 runs compiles beside the warm start. Not when the warm-up rebuilds the home instances (PAT's
+    warmed layouts, a scale-up's spare instances): there `warm_up` starts the thread at its end."""
+    cfg, svc, pol = uc.cfg, rs.svc, uc.policy
+    if not (cfg.trainer.warmup and cfg.trainer.background_compile and step == 0) or balance is not None or (
+            svc.adaptive is not None and cfg.engine.adaptive_tp.warm):
+        return
+    truncate = truncate_variants(rs.sampling_params())
+    jobs = [job for inst in svc.instances for job in inst.compile_jobs(truncate, cover=True)]
+    if uc.updater is not None:      # (the reference `start_reference` will copy: the policy's own layout)
+        ref = pol.ref_params if pol.ref_params is not None else pol.params if cfg.algo.kl_coef else None
+        jobs.append(_update_job(uc, ref))
+    rs.background = BackgroundCompile.start(jobs, _exact_jobs(svc, truncate))
+
+
+def _exact_jobs(svc, truncate) -> list:
+    return [job for inst in svc.instances for job in inst.compile_jobs(truncate)]
+
+
+def _update_job(uc: UpdateContext, ref_params):
+    """The update's executables (the off-policy corrections', the gradient, apply and log-prob passes'), as a
+    job of abstract inputs taken now: job(stop=None) -> compilations."""
+    cfg, pol, mb, extra = uc.cfg, uc.policy, micro_batch_abstract(uc), {}
+    if uc.stager:
+        extra["kv"] = uc.stager.abstract(uc.mb_rows, uc.updater.padded_len(uc.pack_len))
+    params, opt_state = abstract(pol.params), abstract(pol.opt_state)
+    logp_params = [abstract(ref_params)] if ref_params is not None else []
+
+    def job(stop=None) -> int:
+        grad_mb, c = corrections.warm(uc, params, mb)        # the off-policy objective's inputs
+        return c + uc.updater.warm(params, opt_state, grad_mb, own_logp=needs_policy_logprobs(cfg),
+                                   logp_params=logp_params, **extra)
+    return job
+
+
 def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balance: ScaleUp | None,
             background: bool = False) -> int:
     """Compile everything the RL steps run; returns how many rollout/update executables were compiled.
     `background`: the home layout's rollout instances compile only their cover shapes here, and the update's
-    executables and the exact buckets go to a thread (`rs.background`, `jaxrl.train.background`)."""
+    executables and the exact buckets go to a thread (`rs.background`, `jaxrl.train.background`; already
+    running when `start_early` started it)."""
     svc, pol, cfg, sampling = rs.svc, uc.policy, uc.cfg, rs.sampling_params()
+    early = background and rs.background is not None
     jobs, n = [], 0 if background else svc.warm(sampling)      # (background: the cover shapes at the end)
     if svc.adaptive is not None and cfg.engine.adaptive_tp.warm:   # PAT: a switch compiles nothing
         n += svc.adaptive.warm_layouts(svc, sampling)
     if uc.updater is not None:
-        mb, extra = micro_batch_abstract(uc), {}
+        mb = micro_batch_abstract(uc)
         if uc.stager:          # the rollout K/V path: staging writes, the packed gather, the block step on it
-            row_len = uc.updater.padded_len(uc.pack_len)
-            uc.stager.warm(*export_pages(cfg), uc.mb_rows, row_len)
-            extra["kv"] = uc.stager.abstract(uc.mb_rows, row_len)
-        grad_mb, c = corrections.warm(uc, pol.params, mb)       # the off-policy objective's inputs
-        n += c
-        update = functools.partial(uc.updater.warm, abstract(pol.params), abstract(pol.opt_state), grad_mb,
-                                   own_logp=needs_policy_logprobs(cfg), **extra,
-                                   logp_params=[abstract(pol.ref_params)] if pol.ref_params is not None else [])
-        if background:
-            jobs.append(lambda stop: update())
-        else:
-            n += update()
+            uc.stager.warm(*export_pages(cfg), uc.mb_rows, uc.updater.padded_len(uc.pack_len))
+        if not background:
+            n += _update_job(uc, pol.ref_params)()
+        elif not early:
+            jobs.append(_update_job(uc, pol.ref_params))
         if critic is not None:      # PPO: the value pass and the critic's update
             n += critic.warm(mb)
         if rs.stream:        # the freed devices' gradient / reference executables
@@ -89,11 +124,10 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
     if rs.skew:              # the length ranker's train step and forward
         rs.skew.ranker.warm()
     svc.update_weights(pol.params)
-    if background:     # the home instances as they are now (PAT's layouts and a scale-up rebuild them)
-        n += svc.warm(sampling, cover=True)
-        truncate = truncate_variants(sampling)
-        jobs += [functools.partial(inst.compile_exact, truncate) for inst in svc.instances]
-        rs.background = BackgroundCompile.start(jobs)
+    if background:     # the home instances as they are now (PAT's layouts and a scale-up rebuild them); early:
+        n += svc.warm(sampling, cover=True)       # their cover shapes are compiled or compiling on the thread
+        if not early:
+            rs.background = BackgroundCompile.start(jobs, _exact_jobs(svc, truncate_variants(sampling)))
     return n
 
 
