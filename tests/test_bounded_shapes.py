@@ -176,7 +176,8 @@ def test_background_compile_runs_step_0s_shapes_first_and_the_exact_buckets_once
     inst = svc.instances[0]
     sh = inst.shapes
     first, later = inst.compile_jobs((False,), cover=True), inst.compile_jobs((False,))
-    cover, exact = len(sh.cover_decode_shapes() + sh.cover_prefill_shapes()), len(sh.decode_shapes() + sh.prefill_shapes())
+    cover = len(sh.cover_decode_shapes() + sh.cover_prefill_shapes())
+    exact = len(sh.decode_shapes() + sh.prefill_shapes())
     assert len(first) == cover and len(later) == exact > cover
     before = CACHE.compiles
     bg = BackgroundCompile.start(first, later)

@@ -50,8 +50,9 @@ def start_early(uc: UpdateContext, rs: RolloutSide, *, balance: ScaleUp | None, 
     `trainer.background_compile`): the background thread starts now, on jobs that need only abstract weights
     (the warm start changes their values, not their shapes or shardings): each home instance's cover shapes
     (compiled only; `warm_up` runs them), then the update's executables, and once step 0 is done the exact
-    buckets (`BackgroundCompile.finish`). So what step 0 runs compiles beside the warm start. Not when the warm-up rebuilds the home instances (PAT's
-    warmed layouts, a scale-up's spare instances): there `warm_up` starts the thread at its end."""
+    buckets (`BackgroundCompile.finish`). So what step 0 runs compiles beside the warm start. Not when the
+    warm-up rebuilds the home instances (PAT's warmed layouts, a scale-up's spare instances): there `warm_up`
+    starts the thread at its end."""
     cfg, svc, pol = uc.cfg, rs.svc, uc.policy
     if not (cfg.trainer.warmup and cfg.trainer.background_compile and step == 0) or balance is not None or (
             svc.adaptive is not None and cfg.engine.adaptive_tp.warm):
