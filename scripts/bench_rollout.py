@@ -246,6 +246,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from jaxrl.runtime import cpu_compile_level
+
+    cpu_compile_level()             # the LLVM level a user's CPU process compiles at (no-op once JAX has started)
     result = bench_cpu(args)
     if args.gpu_8b:
         result.update(bench_gpu_8b(args))

@@ -100,7 +100,7 @@ import numpy as np  # noqa: E402
 
 from jaxrl import algos  # noqa: E402
 from jaxrl.config.train import OptimSection, TrainerSection  # noqa: E402
-from jaxrl.runtime import CompileCounter  # noqa: E402
+from jaxrl.runtime import CompileCounter, cpu_compile_level  # noqa: E402
 from jaxrl.train.batch import Sample, pack, pack_rows  # noqa: E402
 from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.train.step import LossSpec, make_logprob_fn, make_train_step  # noqa: E402
@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     args = parse_args(argv)
+    cpu_compile_level()             # the LLVM level a user's CPU process compiles at (no-op once JAX has started)
     torch.set_num_threads(2)
     t_start, load_before = time.perf_counter(), _loadavg()
     peak, peak_path = _load_peak()

@@ -77,7 +77,8 @@ def register(renders, load, table, footer, results_dir):
         d = load(COLD)
         s, rows = d["summary"], []
         for mode, label in (("blocking", "everything before step 0 (`background_compile=false`)"),
-                            ("background", "step 0's shapes on a thread beside the warm start, the rest after step 0 (default)")):
+                            ("background", "step 0's shapes on a thread beside the warm start, the rest after step 0 (default)"),
+                            ("llvm3", "the default at XLA's LLVM level 3 (`XLA_FLAGS=--xla_backend_optimization_level=3`)")):
             runs = [r for r in d["runs"] if r["mode"] == mode]
             m = s["modes"][mode]
             first = m["first_step_s"]
@@ -88,14 +89,19 @@ def register(renders, load, table, footer, results_dir):
                          f"{m['step0_blocking_compiles']:.0f}", f"{m['background_compiles']:.0f}",
                          f"{min(wait):.1f}" if wait else "–", f"{m['later_blocking_compiles']:.0f}",
                          f"{m['process_s']:.1f}"])
-        n = len(d["runs"]) // 2
+        n = len(d["runs"]) // len(s["modes"])
+        diff = ", ".join(f"{k} {v:.1e}" for k, v in s["llvm3_max_rel_diff"].items())
         how = (f"Median of {n} cold run{'s' * (n > 1)} of each (`{d['command']}`, an empty compilation cache each, "
                f"interleaved). First / second step: seconds from the process's start to the end of RL step 0 / 1; "
                f"warm-up: what it compiled before step 0 (fewest seconds of the runs); step 0's blocking compilations "
                f"include the warm start's and the warm-up's; step 1's wait: for the thread (fewest seconds). "
                f"First step {s['first_step_speedup']:.2f}× sooner, whole run {s['process_ratio']:.2f}× the blocking "
                f"one's; the same rewards, losses and gradient norms at every step: "
-               f"{'yes' if s['same_training'] else '**no**'}. Target: the first step within "
+               f"{'yes' if s['same_training'] else '**no**'}. At XLA's own LLVM level 3 instead of the level 1 a CPU "
+               f"run compiles at (`jaxrl.runtime.cpu_compile_level`): first step {s['llvm3_first_step_ratio']:.2f}×, "
+               f"whole run {s['llvm3_process_ratio']:.2f}× level 1's; the same rollouts: "
+               f"{'yes' if s['llvm3_same_rollouts'] else '**no**'}; largest relative difference from level 1's: "
+               f"{diff}. Target: the first step within "
                f"{TARGETS['first_step_s']:.0f} s of the start. Load average (1 min) before / after: "
                f"{d['loadavg_before'][0]:.2f} / {d['loadavg_after'][0]:.2f}.")
         return (table(["warm-up", "first step s", "second step s", "warm-up executables", "step 0 blocking compiles",

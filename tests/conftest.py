@@ -6,8 +6,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU's backend at optimisation level 0 (JAX's jax_disable_most_optimizations: LLVM -O0, its expensive
 # passes off), here and in every run a test starts (they inherit the variable): the same HLO programs, compiled
 # in about half the time (tests/test_train_step.py's fused-step tests, empty cache: 47.6 s -> 25.9 s). Float
-# rounding may differ from the default level, so the runs that check goldens recorded at the default level run
-# at it (`tests/train_runs.DEFAULT_OPT`). JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the whole suite at the default.
+# rounding may differ from the default level, so the runs that check goldens run at a user's level
+# (`tests/train_runs.DEFAULT_OPT`: LLVM level 1, `jaxrl.runtime.cpu_compile_level`). JAX_DISABLE_MOST_OPTIMIZATIONS=0
+# runs the whole suite at it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA:CPU's LLVM IR fusion emitters instead of its newer MLIR ones (--xla_cpu_use_fusion_emitters=false), for the
 # same reason: each program compiles in less than half the time (a cold 2-step train run's 49 compilations 7.2 s ->

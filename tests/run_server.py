@@ -128,7 +128,9 @@ def serve(devices: int) -> None:
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", devices)
+    from jaxrl.runtime import request_cpu_devices
+
+    request_cpu_devices(devices)        # as `python -m jaxrl.train` does before its backend starts (its LLVM level)
     assert jax.device_count() == devices, jax.devices()
     # configured once, as main() would on its first call, writing to the current run's buffer
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",

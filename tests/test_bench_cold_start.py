@@ -3,7 +3,8 @@ compilation cache), which is also background compilation's test against its unop
 `trainer.background_compile` on and off train alike (rewards, lengths, losses and gradient norms equal at
 every step), the warm-up blocks on fewer executables with it, the rest compile on the thread (counted apart),
 and in neither mode does a step after the first compile. The JSON's relations: the speed-up is its own
-medians' ratio."""
+medians' ratio. (Its third mode, the default at XLA's LLVM level 3, trains alike here: the suite compiles at
+level 0.)"""
 
 import importlib.util
 import json
@@ -26,7 +27,7 @@ def test_quick_run(tmp_path):
     assert mod.main(["--quick", "--cache", cache, "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     runs = {r["mode"]: r for r in d["runs"]}
-    assert len(d["runs"]) == 2 and set(runs) == set(mod.MODES) and d["quick"] and not d["cold"]
+    assert len(d["runs"]) == 3 and set(runs) == set(mod.MODES) and d["quick"] and not d["cold"]
     bg, blocking = runs["background"], runs["blocking"]
     assert bg["metrics"] == blocking["metrics"] and d["summary"]["same_training"]       # the same training
     assert len(bg["metrics"]["loss"]) == mod.STEPS
@@ -41,3 +42,9 @@ def test_quick_run(tmp_path):
     assert s["first_step_speedup"] == pytest.approx(s["modes"]["blocking"]["first_step_s"] /
                                                     s["modes"]["background"]["first_step_s"])
     assert s["modes"]["background"]["background_compiles"] == bg["compiles_background"]
+    # "llvm3" runs the default at XLA's LLVM level 3; the suite compiles at level 0 whatever XLA_FLAGS says
+    # (tests/conftest.py), so here it trains exactly as "background" does
+    assert runs["llvm3"]["metrics"] == bg["metrics"] and s["llvm3_same_rollouts"]
+    assert s["llvm3_max_rel_diff"] == {"loss": 0.0, "grad_norm": 0.0}
+    assert s["llvm3_first_step_ratio"] == pytest.approx(s["modes"]["llvm3"]["first_step_s"] /
+                                                        s["modes"]["background"]["first_step_s"])

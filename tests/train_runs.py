@@ -36,10 +36,11 @@ NOISE_ATOL = 1e-8
 # XLA's default optimisation level, with the suite's LLVM fusion emitters (tests/conftest.py): the runs checked against
 # goldens recorded at the default level (their rollouts depend on float rounding), compiled in less time than with
 # XLA's default emitters (the four test_train_e2e.py runs at this level, empty cache: 217 -> 190 CPU-s); the
-# rewards and rollouts stay exact and the losses within their tolerances. GOLDEN_OPT: XLA's defaults exactly,
-# for a golden that records the weights' bits (tests/golden/flow_default.json's params_sha256).
+# rewards and rollouts stay exact and the losses within their tolerances. Its LLVM level is what a user's CPU run
+# gets (`jaxrl.runtime.cpu_compile_level`). GOLDEN_OPT: XLA's defaults exactly (LLVM level 3, XLA's default), for
+# a golden that records the weights' bits (tests/golden/flow_default.json's params_sha256).
 DEFAULT_OPT = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
-GOLDEN_OPT = {**DEFAULT_OPT, "XLA_FLAGS": ""}
+GOLDEN_OPT = {**DEFAULT_OPT, "XLA_FLAGS": "--xla_backend_optimization_level=3"}
 
 
 def _env():

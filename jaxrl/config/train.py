@@ -139,7 +139,7 @@ class TrainerSection(Section):
     fused_loss: bool = True              # loss + lm_head gradient in one pass (kernels.logprob_loss)
     micro_batch_tokens: int | None = 2048    # fixed micro-batch (tokens): one compiled step for any batch; null = whole batch
     warmup: bool = True                  # compile every rollout and update shape before the first step
-    background_compile: bool = True      # ...only the cover shapes before it, the rest on a thread during step 0
+    background_compile: bool = True      # ...only the cover shapes before it, the rest on a thread after step 0
     backward: str = "full"               # full or blockwise (MetroRLHF: blocks last to first over cached K/V)
     block_size: int = 256                # blockwise: tokens per block (T)
     kv_source: str = "recompute"         # blockwise: recompute (forward pass keeping K/V) or rollout (engine's cache)

@@ -189,7 +189,7 @@ class Trainer:
         n = warm_up(self.update, self.rollout, critic=self.train.critic, balance=self.balance, background=bg)
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
             print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s"
-                  + ", the rest on a thread during step 0" * bg, flush=True)
+                  + ", the rest on a thread (after step 0)" * bg, flush=True)
 
     # ------------------------------------------------------------------------------------- RL step
     def rl_step(self) -> dict:
