@@ -20,6 +20,9 @@ GPU on an 8-GPU box) miss on the same programs at the same moment, and each comp
 PPO run of the tiny model on 2 cores, empty cache: 82 -> 70 CPU-s (tests/test_compile_lock.py checks that one
 process compiles and the other loads).
 
+A process whose only backend is the CPU compiles with XLA's LLVM backend at level 1 instead of 3
+(`cpu_compile_level`, called by `request_cpu_devices`): the same HLO compiled in less time.
+
     JAXRL_COMPILATION_CACHE=0          disable
     JAXRL_COMPILATION_CACHE_DIR=PATH   location (default ~/.cache/jaxrl/xla)
     JAXRL_COMPILE_LOCK=0               every process compiles its misses itself

@@ -44,7 +44,8 @@ def test_a_process_stuck_after_its_run_prints_every_thread_stack():
     r = subprocess.run([sys.executable, "-c", stuck], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "Timeout (0:00:00.500000)!" in r.stderr and "Thread 0x" in r.stderr, r.stderr
     assert "<lambda>" in r.stderr                       # the stuck thread's own frame
-    prompt = "from jaxrl.train.heartbeat import ExitWatch; ExitWatch(0.5).close()"
+    # (10 s: a process that imports JAX takes over 0.5 s to finalise when the other worker loads the cores)
+    prompt = "from jaxrl.train.heartbeat import ExitWatch; ExitWatch(10).close()"
     r = subprocess.run([sys.executable, "-c", prompt], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
