@@ -3,20 +3,20 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU's backend at optimisation level 0 (JAX's jax_disable_most_optimizations: LLVM -O0, its expensive
-# passes off), here and in every run a test starts (they inherit the variable): the same HLO programs, compiled
-# in about half the time (tests/test_train_step.py's fused-step tests, empty cache: 47.6 s -> 25.9 s). Float
-# rounding may differ from the default level, so the runs that check goldens run at a user's level
-# (`tests/train_runs.DEFAULT_OPT`: LLVM level 1, `jaxrl.runtime.cpu_compile_level`). JAX_DISABLE_MOST_OPTIMIZATIONS=0
-# runs the whole suite at it.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# XLA:CPU's LLVM IR fusion emitters instead of its newer MLIR ones (--xla_cpu_use_fusion_emitters=false), for the
-# same reason: each program compiles in less than half the time (a cold 2-step train run's 49 compilations 7.2 s ->
-# 2.9 s; tests/test_paged_attention.py and tests/test_forward_block.py, empty cache: 103 -> 50 CPU-s). The runs at
-# the default level (`tests/train_runs.DEFAULT_OPT`) keep them; the one whose golden records the weights' bits
-# (`GOLDEN_OPT`) uses XLA's default emitters. XLA_FLAGS= runs the suite with them; a bench script's device count
-# is asked for with jax_num_cpu_devices, not XLA_FLAGS.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+# XLA:CPU's backend at LLVM level 1 with XLA's optimisations on, what a user's CPU run compiles at
+# (`jaxrl.runtime.cpu_compile_level`), here and in every run a test starts (they inherit the variables). Not JAX's
+# jax_disable_most_optimizations (LLVM -O0), which the suite used before: it compiled a tiny 3-step train run's
+# programs in about the same time but ran them twice as slowly (warm cache, 1 process: 18-20 against 9-11 CPU-s),
+# and most of the suite loads its programs from the cache and runs them. JAX_DISABLE_MOST_OPTIMIZATIONS=1 runs the
+# whole suite at level 0.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+# XLA:CPU's LLVM IR fusion emitters instead of its newer MLIR ones (--xla_cpu_use_fusion_emitters=false): each
+# program compiles in less than half the time (a cold 2-step train run's 49 compilations 7.2 s -> 2.9 s;
+# tests/test_paged_attention.py and tests/test_forward_block.py, empty cache: 103 -> 50 CPU-s). The one run whose
+# golden records the weights' bits (`tests/train_runs.GOLDEN_OPT`) uses XLA's defaults exactly. XLA_FLAGS= runs the
+# suite with XLA's default emitters and LLVM level; a bench script's device count is asked for with
+# jax_num_cpu_devices, not XLA_FLAGS.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1")
 
 import jax  # noqa: E402
 

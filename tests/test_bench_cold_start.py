@@ -3,8 +3,8 @@ compilation cache), which is also background compilation's test against its unop
 `trainer.background_compile` on and off train alike (rewards, lengths, losses and gradient norms equal at
 every step), the warm-up blocks on fewer executables with it, the rest compile on the thread (counted apart),
 and in neither mode does a step after the first compile. The JSON's relations: the speed-up is its own
-medians' ratio. (Its third mode, the default at XLA's LLVM level 3, trains alike here: the suite compiles at
-level 0.)"""
+medians' ratio. Its third mode, the default at XLA's LLVM level 3 (the others at the suite's level 1, a user's),
+samples the same rollouts, its losses and gradient norms within float32 rounding."""
 
 import importlib.util
 import json
@@ -42,9 +42,9 @@ def test_quick_run(tmp_path):
     assert s["first_step_speedup"] == pytest.approx(s["modes"]["blocking"]["first_step_s"] /
                                                     s["modes"]["background"]["first_step_s"])
     assert s["modes"]["background"]["background_compiles"] == bg["compiles_background"]
-    # "llvm3" runs the default at XLA's LLVM level 3; the suite compiles at level 0 whatever XLA_FLAGS says
-    # (tests/conftest.py), so here it trains exactly as "background" does
-    assert runs["llvm3"]["metrics"] == bg["metrics"] and s["llvm3_same_rollouts"]
-    assert s["llvm3_max_rel_diff"] == {"loss": 0.0, "grad_norm": 0.0}
+    # "llvm3" runs the default at XLA's LLVM level 3, the others at the suite's level 1 (tests/conftest.py): the
+    # same rollouts, the losses and gradient norms within float32 rounding (the benchmark measured 1.0e-7 relative)
+    assert runs["llvm3"]["metrics"]["reward_mean"] == bg["metrics"]["reward_mean"] and s["llvm3_same_rollouts"]
+    assert set(s["llvm3_max_rel_diff"]) == {"loss", "grad_norm"} and max(s["llvm3_max_rel_diff"].values()) < 1e-5
     assert s["llvm3_first_step_ratio"] == pytest.approx(s["modes"]["llvm3"]["first_step_s"] /
                                                         s["modes"]["background"]["first_step_s"])
