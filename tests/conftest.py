@@ -3,12 +3,15 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU's backend at LLVM level 1 with XLA's optimisations on, what a user's CPU run compiles at
-# (`jaxrl.runtime.cpu_compile_level`), here and in every run a test starts (they inherit the variables). Not JAX's
-# jax_disable_most_optimizations (LLVM -O0), which the suite used before: it compiled a tiny 3-step train run's
-# programs in about the same time but ran them twice as slowly (warm cache, 1 process: 18-20 against 9-11 CPU-s),
-# and most of the suite loads its programs from the cache and runs them. JAX_DISABLE_MOST_OPTIMIZATIONS=1 runs the
-# whole suite at level 0.
+# Two optimisation levels. The train runs the tests start (their processes inherit these variables) and the ones
+# they run in this process (`tests/train_runs._train_here`) compile at a user's level: XLA's passes, LLVM level 1
+# (`jaxrl.runtime.cpu_compile_level`). This process's own programs (the kernels', models', engine's and train step's
+# tests: compile-bound, each program run a few times) compile at level 0 (JAX's jax_disable_most_optimizations,
+# LLVM -O0, set below once JAX is imported). Measured: level 0 compiled a tiny 3-step train run's programs in about
+# the time level 1 did but ran them twice as slowly (warm cache, 1 process: 18-20 against 9-11 CPU-s); the whole
+# suite at level 1 took the train-run files 500 CPU-s less (test_train_processes.py 934 -> 707) and the in-process
+# files 300 more (test_blockwise.py 98 -> 167) than at level 0. JAX_DISABLE_MOST_OPTIMIZATIONS=1 runs the train runs
+# at level 0 too.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
 # XLA:CPU's LLVM IR fusion emitters instead of its newer MLIR ones (--xla_cpu_use_fusion_emitters=false): each
 # program compiles in less than half the time (a cold 2-step train run's 49 compilations 7.2 s -> 2.9 s;
@@ -18,7 +21,22 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
 # jax_num_cpu_devices, not XLA_FLAGS.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1")
 
+import compileall  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# Where PYTHONDONTWRITEBYTECODE is set (it is on this machine), no process writes the bytecode of our modules, so
+# each of the processes the suite starts (train runs, their several processes, run servers) would compile them
+# from source again (`import jaxrl.train.__main__`: 1.75 s from source, 1.5 s from bytecode). Written once here,
+# to the usual __pycache__ directories (git ignores them), and read by every process after; a changed file is
+# recompiled (the check is its mtime).
+if sys.dont_write_bytecode:
+    for _package in ("jaxrl", "models", "kernels", "sharding", "tests"):
+        compileall.compile_dir(Path(__file__).resolve().parents[1] / _package, quiet=1)
+
 import jax  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)      # this process's own programs (above)
 
 jax.config.update("jax_num_cpu_devices", 8)
 # start the backend now, so the count is fixed for the session: a CLI `main()` run in-process asks for its own
@@ -35,7 +53,6 @@ from jaxrl.runtime import enable_compilation_cache  # noqa: E402
 enable_compilation_cache()
 
 import resource  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from models import PRESETS, CheckpointError, config_from_hf, config_to_hf, init, load_hf, save_hf
+from models import hf
 from models import safetensors_io as st
 
 import jax
@@ -63,8 +64,11 @@ def test_no_weights(tmp_path):
         load_hf(tmp_path)
 
 
-def test_sharded_index_checkpoint(tmp_path):
-    """Multi-file checkpoints with model.safetensors.index.json load identically."""
+@pytest.mark.parametrize("whole_leaf_bytes", [hf.HOST_WHOLE_LEAF_BYTES, 0], ids=["whole_leaves", "layer_by_layer"])
+def test_sharded_index_checkpoint(tmp_path, monkeypatch, whole_leaf_bytes):
+    """Multi-file checkpoints with model.safetensors.index.json load identically, whether the stacked leaves
+    reach the host whole (a small model's) or one layer at a time (above `models.hf.HOST_WHOLE_LEAF_BYTES`)."""
+    monkeypatch.setattr(hf, "HOST_WHOLE_LEAF_BYTES", whole_leaf_bytes)
     cfg = PRESETS["tiny-llama"]
     w = init(jax.random.key(1), cfg)
     save_hf(tmp_path, cfg, w, max_shard_bytes=40_000)

@@ -68,7 +68,8 @@ ROOT_PACKAGE = "jaxrl"                   # its __init__ is a docstring: below ev
 
 # Third-party packages a function may import: heavy, and needed only on one path of a run.
 LAZY_THIRD_PARTY: dict[str, str] = {
-    "matplotlib": "~0.9 s to import (pyplot); only the figure-writing functions (PAT profile, simulator report) use it",
+    "matplotlib": "~0.9 s to import (pyplot); only the figure-writing functions (a run's curves, PAT profile, "
+                  "simulator report) use it",
     "pyarrow": "~0.5 s to import; only a Parquet dataset needs it",
     "math_verify": "~0.5 s to import (SymPy, latex2sympy2); only the math reward uses it",
 }

@@ -92,14 +92,20 @@ def _train(run_dir, *extra, timeout=600, env=None):
 
 
 def _train_here(args) -> Finished:
+    """`main(args)` in this process, its programs compiled at the level of the runs the tests start (a user's,
+    unless JAX_DISABLE_MOST_OPTIMIZATIONS=1), not at this process's own level 0 (tests/conftest.py)."""
     from jaxrl.train.__main__ import main
 
     out, err = io.StringIO(), io.StringIO()
+    level0 = jax.config.jax_disable_most_optimizations
+    jax.config.update("jax_disable_most_optimizations", os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(args)
     except SystemExit as e:
         code = e.code
+    finally:
+        jax.config.update("jax_disable_most_optimizations", level0)
     assert code == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
     return Finished(out.getvalue(), err.getvalue())
 

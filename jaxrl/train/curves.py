@@ -20,12 +20,7 @@ import logging
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import numpy as np
 
 PHASE_COLORS = {"sft": "tab:orange", "rl": "tab:blue"}
 FEW_STEPS = 30  # at most this many points: draw markers too
@@ -97,6 +92,14 @@ def _plot(ax, steps, vals, few: bool, **kw) -> bool:
 
 
 def plot(rows: list[dict], out: Path, title: str) -> Path:
+    # (matplotlib imported here: ~0.8 s that a process which draws nothing, e.g. a multi-process run's other
+    # processes, does not pay)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     few = len(rows) <= FEW_STEPS
     spans = phase_spans(rows)
     fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)

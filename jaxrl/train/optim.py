@@ -38,10 +38,12 @@ def decay_mask(params):
 
 
 def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer and its learning-rate schedule, the latter jitted for the host's per-step reads (the
+    metrics' `lr`): evaluated eagerly, optax's schedules run ~6 ops, each its own program to trace and compile."""
     lr = schedule(o, total_steps)
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm is not None else []
     parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), lr
+    return optax.chain(*parts), jax.jit(lr)
 
 
 def init_state(tx: optax.GradientTransformation, params, param_shardings, mesh):

@@ -329,7 +329,8 @@ _JITTED: dict = {}
 
 def jitted(fn, **static):
     """`fn` with its `static` keyword arguments bound, jitted once per (fn, static). The scan-based
-    estimators need it: an eager `lax.scan` builds its body anew on every call and so compiles every step."""
+    estimators need it: an eager `lax.scan` builds its body anew on every call and so compiles every step; the
+    others gain one program in place of one per eager op."""
     key = (fn, tuple(sorted(static.items())))
     if key not in _JITTED:
         _JITTED[key] = jax.jit(functools.partial(fn, **static))
@@ -351,8 +352,8 @@ def advantages(cfg: TrainConfig, rewards: np.ndarray, resp_lens: list[int], kl: 
     if a.advantage == "reinforce_pp":
         est = jitted(algos.compute_advantages, name="reinforce_pp", gamma=a.gamma, kl_coef=a.kl_coef if kl else 0.0)
         adv = est(rewards=rewards, mask=mask, kl=None if kl is None else padded(kl, T))
-    else:
-        adv = algos.compute_advantages(a.advantage, rewards=rewards.reshape(-1, G), mask=mask)
+    else:           # (jitted: one program per shape, not one per eager op, ~12 of them, each traced and compiled)
+        adv = jitted(algos.compute_advantages, name=a.advantage)(rewards=rewards.reshape(-1, G), mask=mask)
     adv = np.asarray(adv)
     return [adv[i, :n] for i, n in enumerate(resp_lens)]
 
