@@ -55,6 +55,8 @@ def test_zero_b_is_the_base_model_exactly(name):
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(lora.base(with_lora))):
         assert a.dtype == b.dtype and bool((a == b).all())
     tok = _tokens(cfg)
+    # bitwise at this process's level 0 (tests/conftest.py); at LLVM level 1 with XLA's passes the two forwards
+    # fuse differently and part by float32 rounding (measured ~1e-7 relative)
     assert bool((forward(base, cfg, tok) == forward(with_lora, _with_lora(cfg), tok)).all())
 
 

@@ -97,7 +97,7 @@ def _train_here(args) -> Finished:
     from jaxrl.train.__main__ import main
 
     out, err = io.StringIO(), io.StringIO()
-    level0 = jax.config.jax_disable_most_optimizations
+    level0 = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
