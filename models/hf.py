@@ -287,8 +287,8 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, shardings: Weights | Non
 # ------------------------------------------------------------------------------------------ saving
 
 # A stacked leaf up to this size is gathered to the host whole and cut into layers there: slicing layer i on the
-# devices (`x[i]`) is an eager op, one program per leaf shape to trace and compile (15 for a small model's export,
-# ~0.5 s of a fresh process's time). A larger leaf still moves one layer at a time, bounding the host's memory.
+# devices (`x[i]`) is an eager op, one program per leaf shape to trace and compile (15 for the tiny model's export).
+# A larger leaf still moves one layer at a time, bounding the host's memory.
 HOST_WHOLE_LEAF_BYTES = 256 << 20
 
 
@@ -345,7 +345,10 @@ def save_hf(out_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, *, d
         real = tuple(slice(0, n) for n in spec.shape[1 if stacked else 0:])  # drops vocabulary padding
         whole = _to_host(x) if not stacked or x.nbytes <= HOST_WHOLE_LEAF_BYTES else None
         for i in range(spec.shape[0] if stacked else 1):
-            layer = whole if not stacked else whole[i] if whole is not None else _to_host(x[i])
+            if not stacked:
+                layer = whole
+            else:
+                layer = whole[i] if whole is not None else _to_host(x[i])
             arr = m.to_hf(layer[real].astype(dtype))
             emit(m.name.format(i=i), np.ascontiguousarray(arr))
     if current:
