@@ -26,6 +26,7 @@ A process whose only backend is the CPU compiles with XLA's LLVM backend at leve
     JAXRL_COMPILATION_CACHE=0          disable
     JAXRL_COMPILATION_CACHE_DIR=PATH   location (default ~/.cache/jaxrl/xla)
     JAXRL_COMPILE_LOCK=0               every process compiles its misses itself
+    JAXRL_COMPILE_LOG=DIR              log every trace, lowering and compilation (`jaxrl.compile_log`)
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ import jax
 import jax.monitoring
 from jax._src import cache_key, compilation_cache, compiler, distributed, monitoring, xla_bridge
 
+from jaxrl import compile_log
+
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
-    """Enable the persistent cache unless disabled or already configured; returns the directory in use."""
+    """Enable the persistent cache unless disabled or already configured; returns the directory in use. Also
+    starts `jaxrl.compile_log` when JAXRL_COMPILE_LOG names a directory."""
+    compile_log.start()
     if os.environ.get("JAXRL_COMPILATION_CACHE", "1").lower() in ("0", "false", "off", "no"):
         return None
     _share_across_devices()

@@ -40,4 +40,17 @@ def register(renders, load, table, footer, machine):
                       "test's own process and the processes it started):",
                       table(["test", "CPU s"], "lr", [[f"`{x['test']}`", f"{x['cpu_s']:.1f}"]
                                                       for x in d["cpu_slowest"][:10]])]
+        if d.get("programs"):      # jaxrl.compile_log, on for the run (runs before it have none)
+            parts += _programs(d["programs"], table)
         return "\n\n".join(parts + [footer(SUITE)])
+
+
+def _programs(p: dict, table) -> list[str]:
+    """Where the program-building time went: trace, lower, compile (a cache miss), load (a hit)."""
+    sec, n = p["seconds"], p["counts"]
+    kinds = ("trace", "lower", "compile", "load")
+    head = (f"Building programs ({p['processes']} processes, `jaxrl.compile_log`; wall seconds in each process, "
+            "waits for a core included): " + ", ".join(f"{k} {sec[k]:.0f} s ({n[k]})" for k in kinds)
+            + ". The 10 tests that spent the most:")
+    rows = [[f"`{t['name']}`", str(t["processes"])] + [f"{t[k]:.1f}" for k in kinds] for t in p["by_test"][:10]]
+    return [head, table(["test", "processes", "trace s", "lower s", "compile s", "load s"], "lrrrrr", rows)]

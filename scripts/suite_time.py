@@ -7,7 +7,9 @@ environment, an empty persistent compilation cache (what a fresh CI machine sees
 Writes scripts/results/suite_time.json: wall time (venv install included) and pytest's own time, the CPU time
 of everything the run started (so the cores kept busy), pass/fail counts, the 25 slowest test phases, the
 time per test file (every phase's duration: PYTEST_ADDOPTS=--durations=0, which .ci/run's pytest reads) and
-each test's CPU seconds (tests/conftest.py's "most CPU" list, per test and per file).
+each test's CPU seconds (tests/conftest.py's "most CPU" list, per test and per file), and where the programs'
+building time went (`jaxrl.compile_log`, on for the run: seconds of tracing, lowering, compiling and loading
+from the cache, in all, by program and by test).
 docs/testing.md renders it (`scripts/docs.py`). The clone, its venv and its cache are removed afterwards.
 """
 
@@ -67,6 +69,14 @@ def parse(log: str) -> dict:
             "cpu_by_file_s": ranked(cpu_by_file), "tests_cpu_s": round(sum(s for s, _ in cpu), 1)}
 
 
+def programs(log_dir: Path) -> dict:
+    """`jaxrl.compile_log`'s summary of every process the run started (wall seconds in each process)."""
+    sys.path.insert(0, str(ROOT))
+    from jaxrl import compile_log
+
+    return compile_log.summarize(compile_log.read(log_dir)) if log_dir.is_dir() else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm", type=Path, help="compilation cache to use (default: a new, empty one)")
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(work / "repo")], check=True)
         cache = args.warm.resolve() if args.warm else work / "xla"
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "JAXRL_VENV", "PYTEST_ADDOPTS")}
-        env.update(JAXRL_COMPILATION_CACHE_DIR=str(cache), PYTEST_ADDOPTS="--durations=0", CI="true")
+        env.update(JAXRL_COMPILATION_CACHE_DIR=str(cache), PYTEST_ADDOPTS="--durations=0", CI="true",
+                   JAXRL_COMPILE_LOG=str(work / "compile_log"))
         log_path = work / "ci.log"
         print(f"[suite_time] {commit[:10]} in {work / 'repo'}, cache {cache}; log {log_path}", flush=True)
         t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -97,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"commit": commit, "command": "bash .ci/run (a clean clone; PYTEST_ADDOPTS=--durations=0)",
                   "cache": "warm: " + str(args.warm) if args.warm else "empty", "exit_status": status,
                   "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "cores_busy": round(cpu / wall, 2),
-                  "budget_s": BUDGET_S, "machine": machine(), **parse(log_path.read_text())}
+                  "budget_s": BUDGET_S, "machine": machine(), **parse(log_path.read_text()),
+                  "programs": programs(work / "compile_log")}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"[suite_time] exit {status}: {wall / 60:.1f} min wall, {cpu / 60:.1f} CPU-min -> {args.out}")
         if status:

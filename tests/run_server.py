@@ -9,7 +9,8 @@ a later run with the same device count reuses the imports and the executables th
 
     python -m tests.run_server DEVICES      # a server; started by `RunServer`, not by hand
 
-Protocol: one JSON line per request on the server's stdin (`{"args": [...]}`), one JSON line per reply on
+Protocol: one JSON line per request on the server's stdin (`{"args": [...], "test": the asking test's
+PYTEST_CURRENT_TEST}`, which the run's `jaxrl.compile_log` lines name), one JSON line per reply on
 the descriptor that was its stdout (`{"code": int, "stdout": str, "stderr": str}`); what the runs print goes
 to their own buffers, anything written to the process's descriptors 1 and 2 to the server's log file.
 A run that must be a real process (killed with SIGKILL, several processes, an environment of its own) is
@@ -58,7 +59,9 @@ class RunServer:
 
     def send(self, args: list[str]) -> None:
         """Queue `main(args)`; the server runs its requests one after the other, replying in order."""
-        self.proc.stdin.write(json.dumps({"args": list(args)}) + "\n")
+        # (the test that asked: a served run's compile log names it, `jaxrl.compile_log`)
+        request = {"args": list(args), "test": os.environ.get("PYTEST_CURRENT_TEST")}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         self.pending += 1
 
@@ -138,7 +141,9 @@ def serve(devices: int) -> None:
     from jaxrl.train.__main__ import main
 
     for line in sys.stdin:
-        args = json.loads(line)["args"]
+        request = json.loads(line)
+        args = request["args"]
+        os.environ["PYTEST_CURRENT_TEST"] = request.get("test") or ""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

@@ -32,11 +32,11 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     repartition is the fast path, nothing to move). four_balanced: 4 processes on tail batching's rounds
     agree on every round's accepted prompts and the queue (the race is decided on lengths, the queue is
     global) and, with DAPO dynamic sampling, on the dropped groups and the waves. ppo_two_balanced: the
-    critic, GAE and the reward's KL on 2 processes. stream_two / stream_four: RollPacker's stream trainer,
-    each process freeing half of its own instances at its own milestones and streaming its own groups'
-    gradients there; the early sums meet over processes at the update. stream_kv_two: with the blockwise
-    backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's freed devices), the
-    2 processes warmed up: nothing compiles after step 0.
+    critic, GAE and the reward's KL on 2 processes. stream_four: RollPacker's stream trainer, each of 4
+    processes freeing half of its own instances at its own milestones and streaming its own groups'
+    gradients there; the early sums meet over processes at the update. stream_kv_two: the same on 2 processes
+    with the blockwise backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's
+    freed devices), the 2 processes warmed up: nothing compiles after step 0.
     multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments. pat_kv_four:
     PAT on 4 processes, every process switching its own pool at the same decode step on one agreed decision (the
     4 decision records equal), with the blockwise backward on the rollout's K/V the switch migrated."""
