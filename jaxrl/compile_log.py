@@ -10,8 +10,10 @@ another process's compilation of the same program: `jaxrl.runtime`'s compile loc
 pytest test that was running (`PYTEST_CURRENT_TEST`, which the processes a test starts inherit), so
 `scripts/suite_time.py` can say which tests the suite's trace, lower and compile seconds went to.
 
-Durations are wall seconds in the process that recorded them: on a machine busier than its cores they
-include waiting for a core. `start` is called by `jaxrl.runtime.enable_compilation_cache` (every entry point
+Durations are wall seconds in the thread that recorded them: on a machine busier than its cores they include
+waiting for a core, and where a process builds programs on several threads at once (a warm-up's compile
+workers, background compilation) they overlap and include waits for the GIL, so their sum bounds the CPU time
+spent rather than measuring it. `start` is called by `jaxrl.runtime.enable_compilation_cache` (every entry point
 and the test session) when JAXRL_COMPILE_LOG is set; nothing is recorded otherwise.
 """
 
