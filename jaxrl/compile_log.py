@@ -83,9 +83,12 @@ def start(directory: str | os.PathLike | None = None) -> CompileLog | None:
 
 
 def read(directory: str | os.PathLike) -> list[dict]:
-    """Every line of every process's log in `directory` (a line cut short by a killed process is skipped)."""
+    """Every line of every process's log in `directory` (a line cut short by a killed process, and files not
+    named by a process id, are skipped)."""
     rows = []
     for path in sorted(Path(directory).glob("*.jsonl")):
+        if not path.stem.isdigit():
+            continue
         for line in path.read_text().splitlines():
             try:
                 rows.append({**json.loads(line), "pid": int(path.stem)})

@@ -49,8 +49,8 @@ def _programs(p: dict, table) -> list[str]:
     """Where the program-building time went: trace, lower, compile (a cache miss), load (a hit)."""
     sec, n = p["seconds"], p["counts"]
     kinds = ("trace", "lower", "compile", "load")
-    head = (f"Building programs ({p['processes']} processes, `jaxrl.compile_log`; wall seconds in each process, "
-            "waits for a core included, overlapping where a process builds on several threads): " + ", ".join(f"{k} {sec[k]:.0f} s ({n[k]})" for k in kinds)
-            + ". The 10 tests that spent the most:")
+    head = (f"Building programs ({p['processes']} processes, `jaxrl.compile_log`; wall seconds in each thread, "
+            "waits for a core included, overlapping where a process builds on several threads): "
+            + ", ".join(f"{k} {sec[k]:.0f} s ({n[k]})" for k in kinds) + ". The 10 tests that spent the most:")
     rows = [[f"`{t['name']}`", str(t["processes"])] + [f"{t[k]:.1f}" for k in kinds] for t in p["by_test"][:10]]
     return [head, table(["test", "processes", "trace s", "lower s", "compile s", "load s"], "lrrrrr", rows)]

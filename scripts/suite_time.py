@@ -70,7 +70,7 @@ def parse(log: str) -> dict:
 
 
 def programs(log_dir: Path) -> dict:
-    """`jaxrl.compile_log`'s summary of every process the run started (wall seconds in each process)."""
+    """`jaxrl.compile_log`'s summary of every process the run started (wall seconds in each thread)."""
     sys.path.insert(0, str(ROOT))
     from jaxrl import compile_log
 

@@ -52,6 +52,7 @@ def test_a_line_cut_short_is_skipped_and_the_cli_prints_the_summary(tmp_path, ca
     (tmp_path / "12.jsonl").write_text('{"event": "trace", "fn": "f", "s": 1.5, "test": null}\n'
                                        '{"event": "compile", "fn": "jit(f)", "s": 2.0, "test": null, "hit": false}\n'
                                        '{"event": "compi')             # (a process killed mid-line)
+    (tmp_path / "notes.jsonl").write_text("not a process's log\n")
     assert [r["pid"] for r in compile_log.read(tmp_path)] == [12, 12]
     assert compile_log.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
