@@ -1,11 +1,12 @@
 """docs/benchmarks.md's end-to-end blocks (jaxrl against TRL, from scripts/results/bench_e2e.json; the
-quickstart's cold start, from bench_cold_start.json), registered into `scripts/docs.py`'s RENDERERS by
+quickstart's cold start, from bench_cold_start.json, and its second run, from bench_warm_start.json), registered into `scripts/docs.py`'s RENDERERS by
 `register`."""
 
 from __future__ import annotations
 
 E2E = "bench_e2e.json"
 COLD = "bench_cold_start.json"
+WARM = "bench_warm_start.json"
 # The end-to-end issue's targets: the long tail's step against TRL's, the 58M step's fraction of the machine's
 # float32 peak, and a whole 7-step run (cold compilation cache) against TRL's.
 TARGETS = {"3.2m": {"step_ratio": 0.5}, "58m": {"peak_fraction": 0.75}, "process_ratio_cold": 1.0,
@@ -107,3 +108,34 @@ def register(renders, load, table, footer, results_dir):
         return (table(["warm-up", "first step s", "second step s", "warm-up executables", "step 0 blocking compiles",
                        "background compiles", "step 1 waits s", "later blocking compiles",
                        f"whole {d['steps']}-step run s"], "lrrrrrrrr", rows) + "\n\n" + how + "\n\n" + footer(COLD))
+
+    @renders("warm-start")
+    def warm_start() -> str:
+        """docs/benchmarks.md: the quickstart's second run on the cache its first filled, with and without the
+        executable store (scripts/bench_warm_start.py)."""
+        if not (results_dir() / WARM).exists():
+            return ("**Not measured yet:** `scripts/venv.sh python scripts/bench_warm_start.py`, then "
+                    "`scripts/venv.sh python scripts/docs.py`.")
+        d = load(WARM)
+        s, rows = d["summary"], []
+        for mode, label in (("no_store", "JAX's persistent cache alone (`JAXRL_EXECUTABLE_STORE=0`)"),
+                            ("store", "with the executable store (default)")):
+            m = s["modes"][mode]
+            rows.append([label, f"**{m['first_step_s']:.1f}**", f"{m['process_s']:.1f}",
+                         f"{m['trace_s']:.1f} / {m['lower_s']:.1f} / {m['compile_s']:.1f} / {m['load_s']:.1f}",
+                         f"{m['rollout_trace_s']:.1f} / {m['rollout_lower_s']:.1f} / {m['rollout_load_s']:.1f}",
+                         f"{m['rollout_traces']:.0f}", f"{m['rollout_loads']:.0f}"])
+        n = len(d["runs"]) // len(s["modes"])
+        p = d["prime"]
+        how = (f"Median of {n} run{'s' * (n > 1)} of each (`{d['command']}`, interleaved), all on the compilation "
+               f"cache a first, cold run filled (first step {p['first_step_s']:.1f} s, whole run "
+               f"{p['process_s']:.1f} s; not counted). Program seconds: `jaxrl.compile_log`'s wall seconds per thread "
+               f"(a run builds on several threads at once, so they overlap and can exceed the run's own time); "
+               f"rollout: its prefill and decode steps. First step {s['first_step_ratio']:.2f}×, whole run "
+               f"{s['process_ratio']:.2f}× the run without the store; the same rewards, losses and gradient norms "
+               f"at every step: {'yes' if s['same_training'] else '**no**'}. Load average (1 min) before / after: "
+               f"{d['loadavg_before'][0]:.2f} / {d['loadavg_after'][0]:.2f}.")
+        return (table(["second run", "first step s", f"whole {d['steps']}-step run s",
+                       "all programs: trace / lower / compile / load s", "rollout steps: trace / lower / load s",
+                       "rollout steps traced", "rollout steps loaded"], "lrrrrrr", rows)
+                + "\n\n" + how + "\n\n" + footer(WARM))

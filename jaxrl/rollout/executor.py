@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl.executable_store import ExecutableStore
 from models import ModelConfig
 
 from . import model_step
@@ -78,12 +79,19 @@ def _signature(args) -> tuple:
 class ExecutableCache:
     """AOT-compiled executables by (name, function, static args, input signature); counts compilations.
 
+    A new entry is first looked for in `jaxrl.executable_store` (`use_store`; the default store, beside the
+    persistent cache), which loads it without tracing or lowering, and is written there once compiled.
+    `compiles` counts every executable built, loads included (`loads` of them), as JAX's own count of
+    compilations counts persistent-cache loads.
+
     Least-recently-used entries beyond `maxsize` are dropped (and recompiled, counted, if needed again):
     every XLA:CPU executable holds a few memory mappings per device, and a process has a limited number
     (vm.max_map_count), so an unbounded cache eventually makes LLVM abort a later compilation."""
 
     maxsize: int = 512
+    use_store: bool = True
     compiles: int = 0
+    loads: int = 0
     compile_s: float = 0.0
     calls: int = 0
     _table: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
@@ -112,10 +120,18 @@ class ExecutableCache:
             busy.wait()                      # the other thread's result (or its failure: then compile here)
         try:
             t = time.perf_counter()
-            exe = fn.lower(*args, **static).compile()
+            store = ExecutableStore.default() if self.use_store else None
+            entry = store and store.entry(name, fn, args, static)
+            exe = entry and entry.load()
+            loaded = exe is not None
+            if not loaded:
+                exe = fn.lower(*args, **static).compile()
+                if entry:
+                    entry.save(exe)
             with self._lock:
                 self.compile_s += time.perf_counter() - t
                 self.compiles += 1
+                self.loads += loaded
                 self._table[key] = exe
                 while len(self._table) > self.maxsize:
                     self._table.popitem(last=False)

@@ -1,0 +1,196 @@
+"""`jaxrl.executable_store`: the rollout's executables loaded from disk by their inputs' key, without tracing or
+lowering, give the bits the compiled ones give: on a TP2 x 2 layout (the second instance loads what the first
+compiled, mapped onto its own devices), in a fresh in-memory cache (everything loaded, nothing traced), after
+a corrupted file (removed and compiled again), and in each process of a 2-process job loading what one process
+stored, also where it loaded them from JAX's persistent cache. The key: device-free, and every input, static argument and setting it must tell apart."""
+
+import dataclasses
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax._src import monitoring
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl.executable_store import ExecutableStore
+from jaxrl.rollout import SamplingParams, generate, model_step
+from jaxrl.rollout.executor import CACHE, padding_batch, decode_inputs
+from models import PRESETS, init
+from tests.train_runs import ROOT, _env
+
+CFG = PRESETS["tiny-qwen3"]
+SERVICE = dict(page_size=8, num_pages=64)
+SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=3)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init(jax.random.key(0), CFG)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 9, 16, 5)]
+
+
+class Traces:
+    """The rollout steps JAX traced while inside."""
+
+    def __init__(self):
+        self.names = []
+        monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name in ("decode_step", "prefill_step"):
+            self.names.append(fun_name)
+
+
+def _run(weights, prompts, **kw):
+    outs = generate(CFG, weights, prompts, SAMPLED, tp=2, instances=2, **SERVICE, **kw)
+    return [(o.tokens, np.asarray(o.logprobs).tobytes()) for o in outs]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    s = ExecutableStore(tmp_path / "executables")
+    monkeypatch.setattr(ExecutableStore, "default", classmethod(lambda cls: s))
+    CACHE.clear()
+    yield s
+    CACHE.clear()
+
+
+@pytest.fixture(scope="module")
+def reference(weights, prompts):
+    """The same generation compiled as before the store (no file read or written)."""
+    CACHE.clear()
+    CACHE.use_store = False
+    try:
+        return _run(weights, prompts)
+    finally:
+        CACHE.use_store = True
+        CACHE.clear()
+
+
+def test_loaded_executables_give_the_compiled_bits(weights, prompts, reference, store):
+    before = (CACHE.compiles, CACHE.loads)
+    assert _run(weights, prompts) == reference
+    built, loaded = CACHE.compiles - before[0], CACHE.loads - before[1]
+    files = sorted(store.directory.glob("*.exe"))
+    # instance 1 (devices 2-3) loads each program instance 0 (devices 0-1) compiled and stored
+    assert loaded > 0 and len(files) == built - loaded
+    CACHE.clear()                                  # a fresh process's view: nothing in memory
+    traces, before = Traces(), (CACHE.compiles, CACHE.loads)
+    assert _run(weights, prompts) == reference
+    assert CACHE.compiles - before[0] == CACHE.loads - before[1] == built
+    assert traces.names == []                       # loaded without tracing (nor lowering)
+    assert sorted(store.directory.glob("*.exe")) == files
+
+
+def test_a_corrupted_file_is_removed_and_compiled_again(weights, prompts, reference, store, caplog):
+    _run(weights, prompts)
+    files = sorted(store.directory.glob("*.exe"))
+    files[0].write_bytes(b"not an executable")
+    files[1].write_bytes(files[1].read_bytes()[:100])          # cut short
+    CACHE.clear()
+    before = (CACHE.compiles, CACHE.loads)
+    with caplog.at_level(logging.WARNING, logger="jaxrl.executable_store"):
+        assert _run(weights, prompts) == reference
+    assert sum("unreadable" in r.message for r in caplog.records) == 2
+    assert (CACHE.compiles - before[0]) - (CACHE.loads - before[1]) == 2         # the two compiled again
+    assert sorted(store.directory.glob("*.exe")) == files       # written again, whole
+    CACHE.clear()
+    before = (CACHE.compiles, CACHE.loads)
+    assert _run(weights, prompts) == reference
+    assert CACHE.compiles - before[0] == CACHE.loads - before[1]
+
+
+def _decode_args(weights, devices, pages=4, rows=2, truncate=False):
+    mesh = Mesh(np.array(devices).reshape(1, -1), ("fsdp", "tp"))
+    rep = NamedSharding(mesh, PartitionSpec())
+    abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep)  # noqa: E731
+    w = jax.tree.map(abstract, weights)
+    kv = jax.ShapeDtypeStruct((CFG.num_layers, 16, CFG.num_kv_heads, 8, CFG.head_dim), np.float32,
+                              sharding=NamedSharding(mesh, PartitionSpec(None, None, "tp")))
+    prev = abstract(np.zeros(8, np.int32))
+    return decode_inputs(w, kv, kv, prev, padding_batch(rows, pages, truncate), abstract)
+
+
+def test_the_key_is_device_free_and_tells_every_input_apart(weights, tmp_path):
+    store, devs = ExecutableStore(tmp_path), jax.devices()
+    path = lambda args, fn=model_step.decode_step, **static: store.entry("decode", fn, args, static).path  # noqa: E731
+    base = path(_decode_args(weights, devs[0:2]), cfg=CFG, impl="xla")
+    assert path(_decode_args(weights, devs[2:4]), cfg=CFG, impl="xla") == base        # other devices
+    assert path(_decode_args(weights, [devs[5], devs[4]]), cfg=CFG, impl="xla") == base
+    others = [path(_decode_args(weights, devs[0:4]), cfg=CFG, impl="xla"),              # a wider mesh
+              path(_decode_args(weights, devs[0:2], pages=5), cfg=CFG, impl="xla"),     # a shape
+              path(_decode_args(weights, devs[0:2], truncate=True), cfg=CFG, impl="xla"),  # static pytree data
+              path(_decode_args(weights, devs[0:2]), cfg=dataclasses.replace(CFG, rms_norm_eps=1e-5), impl="xla"),
+              path(_decode_args(weights, devs[0:2]), cfg=CFG, impl="pallas")]
+    with jax.default_matmul_precision("float32"):                                       # a thread's setting
+        others.append(path(_decode_args(weights, devs[0:2]), cfg=CFG, impl="xla"))
+    assert len({base, *others}) == 1 + len(others)
+    # not storable: a closure (its program depends on what it closes over), an input without a mesh
+    closure = jax.jit(lambda x: x + 1)
+    assert store.entry("f", closure, (jax.ShapeDtypeStruct((2,), np.float32, sharding=NamedSharding(
+        Mesh(np.array(devs[:1]), ("tp",)), PartitionSpec())),), {}) is None
+    assert store.entry("decode", model_step.decode_step, (np.zeros(2),), {"cfg": CFG}) is None
+    assert store.entry("decode", model_step.decode_step, _decode_args(weights, devs[0:2]),
+                       {"cfg": CFG, "impl": object()}) is None
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    import jax, numpy as np
+    n = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    jax.config.update("jax_num_cpu_devices", 4)
+    if n > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], n, int(os.environ["JAX_PROCESS_ID"]))
+    from jaxrl.runtime import enable_compilation_cache
+    enable_compilation_cache(sys.argv[1])
+    from jaxrl.rollout import SamplingParams, generate
+    from jaxrl.rollout.executor import CACHE
+    from models import PRESETS, init
+    cfg = PRESETS["tiny-qwen3"]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, k).tolist() for k in (3, 9, 16, 5)]
+    outs = generate(cfg, init(jax.random.key(0), cfg), prompts,
+                    SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=3), tp=2, instances=2,
+                    page_size=8, num_pages=64, devices=jax.local_devices())
+    print("OUT", CACHE.compiles, CACHE.loads, min(d.id for d in jax.local_devices()),
+          [o.tokens for o in outs], [np.asarray(o.logprobs).tobytes().hex() for o in outs])
+""")
+
+
+def _python(cache, processes=1):
+    cmd = [sys.executable, "-c", SCRIPT, str(cache)]
+    if processes > 1:
+        cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(processes), *cmd]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [line.split("OUT ", 1)[1] for line in p.stdout.splitlines() if "OUT " in line]
+
+
+@pytest.mark.processes
+def test_each_process_of_a_two_process_job_loads_what_one_process_stored(tmp_path):
+    """One process compiles and stores; with the store emptied, another loads the programs from JAX's
+    persistent cache and stores them from that cache's bytes (XLA:CPU cannot serialise a loaded executable
+    again); then each process of a 2-process job loads every program from the store onto its own devices."""
+    [one] = _python(tmp_path / "xla")
+    compiles, loads, first, rest = one.split(" ", 3)
+    assert int(loads) > 0                        # instance 1 loaded instance 0's programs
+    shutil.rmtree(tmp_path / "xla" / "executables")
+    [again] = _python(tmp_path / "xla")
+    assert again == one
+    two = _python(tmp_path / "xla", processes=2)
+    ids = sorted(int(t.split(" ", 3)[2]) for t in two)
+    assert len(two) == 2 and ids[0] == 0 < ids[1]          # each on its own devices (process 1's: ids 2048...)
+    for t in two:                                # everything loaded, onto other device ids, the same bits
+        c, ld, _, out = t.split(" ", 3)
+        assert c == ld == compiles and out == rest
