@@ -3,13 +3,16 @@
 JAX's persistent compilation cache keys an executable by its lowered program, so even a cache hit first traces
 the Python function and lowers it to StableHLO: for the rollout's decode step of the tiny test model on a 2-core
 Xeon about 160 ms and 200 ms before a 65 ms load (`jaxrl.compile_log`). This store keys an executable by its
-inputs instead: the function (a module-level jitted function, found again by module and name), its static
-arguments (values with a stable text form: numbers, strings, tuples, enums, frozen dataclasses of them), the
+inputs instead: the function (a module-level function of ours, found again by module and name, or a
+`functools.partial` of one) with its bound and static arguments (values with a stable text form: numbers,
+strings, tuples, dicts, enums, frozen dataclasses of them, shardings on the inputs' mesh, and objects that carry
+the text of what made them, `KEY_ATTRIBUTE`: `jaxrl.train.optim.make_optimizer`'s transformations) and the jit's
+options (static and donated arguments; a jit that places its inputs or outputs itself is not stored), the
 abstract signature of every input (pytree structure, shapes, dtypes, shardings: the spec and the mesh's axis
-names and shape) and everything else the program depends on: a hash of our packages' sources (`jaxrl`,
-`models`, `kernels`, `sharding`), the JAX and jaxlib versions, the backend and its devices' kind, JAX's config
-values that can change a program, XLA_FLAGS, and on the CPU the processor's feature flags. A hit is a file read
-and a deserialisation (about 5 ms).
+names and shape; a Python scalar by its type) and everything else the program depends on: a hash of our
+packages' sources (`jaxrl`, `models`, `kernels`, `sharding`), the JAX and jaxlib versions, the backend and its
+devices' kind, JAX's config values that can change a program (and this thread's overrides of them), XLA_FLAGS,
+and on the CPU the processor's feature flags. A hit is a file read and a deserialisation (about 5 ms).
 
 The key holds no device: one file serves every device group of the same mesh shape (a TP1 rollout instance per
 device, the processes of a multi-process run, each on its own devices). The executable is serialised with its
@@ -19,8 +22,9 @@ for, with XLA's device assignment rebuilt for them (as JAX's persistent cache do
 
 `ExecutableStore.default()` is the store under the persistent cache's directory (`executables/`), when that
 cache is on and local; JAXRL_EXECUTABLE_STORE=0 turns the store off alone. `jaxrl.rollout.executor`'s
-`ExecutableCache` uses it for the prefill and decode steps (the programs a run builds most; the train step's
-functions close over an optimizer, which has no stable key). A load records the events a persistent-cache hit
+`ExecutableCache` uses it for every executable it builds: the rollout's prefill and decode steps, the train
+update's gradient, optimizer-update, log-prob and blockwise-backward steps, the critic's (what cannot be keyed,
+a closure, is compiled as before). A load records the events a persistent-cache hit
 records (`jaxrl.runtime.CompileCounter` and `jaxrl.compile_log` count it as a load). A file that cannot be read
 is removed and the program compiled. Like JAX's cache, loading runs the code in the files: the directory must be
 as trusted as the program. Entries are never evicted (nor are JAX's by default); delete the directory to clear.
@@ -68,37 +72,75 @@ class NotStorable(Exception):
     """These inputs or static arguments have no stable key (the executable is compiled as usual)."""
 
 
-def _stable(x) -> str:
-    """A text form of a static argument that is the same in every process, or NotStorable."""
+KEY_ATTRIBUTE = "__jaxrl_key__"
+
+
+def stable_text(x, mesh=None) -> str:
+    """A text form of a static argument that is the same in every process, or NotStorable. An object that is
+    none of the kinds listed in the module docstring can carry one in `KEY_ATTRIBUTE`: the text of what made it,
+    which must determine the programs it takes part in (`jaxrl.train.optim.make_optimizer`'s transformations).
+    A NamedSharding is stable on `mesh` (the inputs' mesh, whose devices a load maps) only."""
     if x is None or isinstance(x, (bool, int, float, str, bytes)):
         return repr(x)
+    key = getattr(x, KEY_ATTRIBUTE, None)
+    if isinstance(key, str):
+        return key
+    text = functools.partial(stable_text, mesh=mesh)
     if isinstance(x, enum.Enum):
         return f"{type(x).__qualname__}.{x.name}"
     if isinstance(x, (tuple, list)):
-        return f"{type(x).__name__}({', '.join(map(_stable, x))})"
+        return f"{type(x).__name__}({', '.join(map(text, x))})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{text(k)}: {text(v)}" for k, v in sorted(x.items(), key=lambda kv: text(kv[0]))) + "}"
+    if isinstance(x, NamedSharding):
+        if mesh is None or x.mesh != mesh:
+            raise NotStorable("a sharding off the inputs' mesh")
+        return f"NamedSharding{tuple(x.spec)}{x.memory_kind}"
     if dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x).__dataclass_params__.frozen:
-        fields = ", ".join(f"{f.name}={_stable(getattr(x, f.name))}" for f in dataclasses.fields(x))
+        fields = ", ".join(f"{f.name}={text(getattr(x, f.name))}" for f in dataclasses.fields(x))
         return f"{type(x).__module__}.{type(x).__qualname__}({fields})"
     raise NotStorable(f"no stable key for {type(x).__name__}")
 
 
 def _function(fn) -> str:
-    """module:qualname of a module-level jitted function of our packages (a closure's program depends on what it
-    closes over; another package's sources are not in the key)."""
-    inner = getattr(fn, "__wrapped__", None)
-    module, name = getattr(inner, "__module__", None), getattr(inner, "__qualname__", "<locals>")
-    if module is None or "<locals>" in name or getattr(sys.modules.get(module), name, None) is not fn:
-        raise NotStorable(f"{fn!r} is not a module-level jitted function")
+    """What a jitted function compiles: a module-level function of our packages, or a `functools.partial` of one
+    with stable bound arguments, and the jit's options (a closure's program depends on what it closes over;
+    another package's sources are not in the key). Jits that place their inputs or outputs themselves
+    (in/out shardings or layouts, a device or backend) are not stored."""
+    info, target = getattr(fn, "_jit_info", None), getattr(fn, "__wrapped__", None)
+    if info is None or target is None:
+        raise NotStorable(f"{fn!r} is not a jitted function")
+    placed = (info.user_specified_in_shardings, info.device, info.backend,
+              *(type(x).__name__ != "UnspecifiedValue" for x in info.out_shardings_leaves),
+              *info.in_layouts_leaves, *info.out_layouts_leaves)
+    if any(x not in (None, False) for x in placed):
+        raise NotStorable("a jit with its own placement")
+    bound = ""
+    if isinstance(target, functools.partial):
+        bound = (f"({', '.join(map(stable_text, target.args))}; "
+                 f"{', '.join(f'{k}={stable_text(v)}' for k, v in sorted(target.keywords.items()))})")
+        target = target.func
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "<locals>")
+    if module is None or "<locals>" in name or getattr(sys.modules.get(module), name, None) not in (fn, target):
+        raise NotStorable(f"{fn!r} is not of a module-level function")
     if module.split(".")[0] not in PACKAGES:                 # (the key hashes these packages' sources only)
         raise NotStorable(f"{module} is not in {', '.join(PACKAGES)}")
-    return f"{module}:{name}"
+    options = (info.static_argnums, info.static_argnames, info.donate_argnums, info.donate_argnames,
+               info.keep_unused, info.inline, info.compiler_options_kvs)
+    return f"{module}:{name}{bound} jit{stable_text(options)}"
 
 
 def _mesh_and_signature(args):
-    """(the one mesh every input lives on, the device-free signature of the inputs)."""
+    """(the devices of the one mesh every input lives on, that mesh, the device-free signature of the inputs)."""
     leaves, treedef = jax.tree.flatten(args)
     mesh, sig = None, []
     for x in leaves:
+        if isinstance(x, (bool, int, float)):             # a Python scalar: weakly typed, its value not compiled in
+            sig.append(f"py{type(x).__name__}")
+            continue
+        if isinstance(x, (np.ndarray, np.generic)):
+            sig.append(f"host{x.shape}{x.dtype}")
+            continue
         sh = getattr(x, "sharding", None)
         if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or not isinstance(sh, NamedSharding):
             raise NotStorable("an input without a NamedSharding")
@@ -114,7 +156,7 @@ def _mesh_and_signature(args):
     if any(d.process_index != jax.process_index() for d in devices):
         raise NotStorable("a mesh with another process's devices")
     layout = f"{tuple(mesh.shape.items())}{mesh.axis_types}"
-    return devices, f"{treedef}|{layout}|{';'.join(sig)}"
+    return devices, mesh, f"{treedef}|{layout}|{';'.join(sig)}"
 
 
 @functools.cache
@@ -147,7 +189,7 @@ def _trace_context() -> str:
             if x.axis_sizes:
                 raise NotStorable("inside a named-axis transformation")
             continue
-        parts.append(_stable(x))
+        parts.append(stable_text(x))
     return ",".join(parts)
 
 
@@ -334,8 +376,8 @@ class ExecutableStore:
         """The entry of jitted `fn` on these inputs (arrays or ShapeDtypeStructs with NamedShardings) and
         static keyword arguments; None when they have no stable key."""
         try:
-            devices, signature = _mesh_and_signature(args)
-            statics = ", ".join(f"{k}={_stable(v)}" for k, v in sorted(static.items()))
+            devices, mesh, signature = _mesh_and_signature(args)
+            statics = ", ".join(f"{k}={stable_text(v, mesh)}" for k, v in sorted(static.items()))
             key = "\n".join([_function(fn), statics, signature, _environment(devices[0])])
         except NotStorable as e:
             log.debug("executable store: %s not stored: %s", label, e)

@@ -1,5 +1,5 @@
-"""A second run: the quickstart again on the compilation cache a first run filled, with the rollout's executables
-loaded from `jaxrl.executable_store` (the default) and without it (JAXRL_EXECUTABLE_STORE=0: each program traced
+"""A second run: the quickstart again on the compilation cache a first run filled, with its executables loaded
+from `jaxrl.executable_store` (the default) and without it (JAXRL_EXECUTABLE_STORE=0: each program traced
 and lowered, then loaded from JAX's persistent cache), interleaved.
 
     scripts/venv.sh python scripts/bench_warm_start.py            # the quickstart, 2 runs of each, interleaved

@@ -40,14 +40,14 @@ def prompts():
 
 
 class Traces:
-    """The rollout steps JAX traced while inside."""
+    """The functions named `names` JAX traced since this was made."""
 
-    def __init__(self):
-        self.names = []
+    def __init__(self, names=("decode_step", "prefill_step")):
+        self.names, self.watched = [], names
         monitoring.register_event_duration_secs_listener(self._on)
 
     def _on(self, event, duration, fun_name="?", **_):
-        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name in ("decode_step", "prefill_step"):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name in self.watched:
             self.names.append(fun_name)
 
 
@@ -142,6 +142,93 @@ def test_the_key_is_device_free_and_tells_every_input_apart(weights, tmp_path):
     assert store.entry("decode", model_step.decode_step, (np.zeros(2),), {"cfg": CFG}) is None
     assert store.entry("decode", model_step.decode_step, _decode_args(weights, devs[0:2]),
                        {"cfg": CFG, "impl": object()}) is None
+
+
+def test_the_train_side_keys(weights, tmp_path):
+    """A partial of a module-level function is keyed by its bound arguments and the jit's options; an optimizer
+    by the config `make_optimizer` made it from; a sharding static argument by its spec on the inputs' mesh."""
+    import functools
+
+    import optax
+
+    from jaxrl.config.train import OptimSection
+    from jaxrl.train import step
+    from jaxrl.train.optim import make_optimizer
+
+    store, devs = ExecutableStore(tmp_path), jax.devices()
+    mesh = Mesh(np.array(devs[:2]).reshape(1, 2), ("fsdp", "tp"))
+    x = (jax.ShapeDtypeStruct((4, 8), np.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "tp"))), 1.0)
+    path = lambda fn, args=x, **static: getattr(store.entry("f", fn, args, static), "path", None)  # noqa: E731
+    spec = step.LossSpec()
+    grads = path(step.make_grad_step(CFG, spec))
+    assert grads is not None and grads == path(step.make_grad_step(CFG, step.LossSpec()))
+    assert grads != path(step.make_grad_step(CFG, dataclasses.replace(spec, clip_high=0.3)))
+    assert grads != path(jax.jit(functools.partial(step._grads, cfg=CFG, spec=spec)))          # no donation
+    tx = lambda **kw: make_optimizer(OptimSection(**kw), 10)[0]  # noqa: E731
+    update = path(step.make_apply_update(tx(lr=1e-3)))
+    assert update is not None and update == path(step.make_apply_update(tx(lr=1e-3)))
+    assert update != path(step.make_apply_update(tx(lr=2e-3)))
+    assert update != path(step.make_apply_update(make_optimizer(OptimSection(lr=1e-3), 11)[0]))
+    assert path(step.make_apply_update(optax.adam(1e-3))) is None          # not made from a config
+    assert path(jax.jit(step._grads, static_argnames=("cfg", "spec"), out_shardings=NamedSharding(mesh, PartitionSpec())),
+                cfg=CFG, spec=spec) is None                                # a jit that places its outputs
+    zeros = jax.jit(lambda a, *, sharding: a, static_argnames=("sharding",))
+    assert path(zeros, sharding=NamedSharding(mesh, PartitionSpec())) is None          # (a closure)
+    from jaxrl.train.blockwise import _zeros_like_kv
+    kv = jax.jit(_zeros_like_kv, static_argnames=("sharding",))
+    assert path(kv, sharding=NamedSharding(mesh, PartitionSpec("tp"))) is not None
+    other = Mesh(np.array(devs[2:4]).reshape(1, 2), ("fsdp", "tp"))
+    assert path(kv, sharding=NamedSharding(other, PartitionSpec("tp"))) is None        # off the inputs' mesh
+
+
+def _train_update(cache, blockwise: bool):
+    """One RL update (full or blockwise backward) of a tiny model on an FSDP2 x TP2 mesh through `cache`: the
+    params, optimizer state and metrics as host arrays."""
+    from jaxrl.config.loading import from_yaml_file
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.train import rl
+    from jaxrl.train.batch import Sample
+    from jaxrl.train.blockwise import BlockwiseUpdater
+    from jaxrl.train.optim import init_state, make_optimizer
+    from jaxrl.train.step import LossSpec
+    from jaxrl.train.update import Updater
+    from models import logical_axes
+    from sharding import Layout, ShardingRules, shardings_for
+
+    cfg = from_yaml_file(TrainConfig, "configs/quickstart.yaml")
+    mcfg = dataclasses.replace(PRESETS["tiny-char"], num_layers=2, hidden_size=64, intermediate_size=128)
+    layout = Layout(fsdp=2, tp=2)
+    mesh = layout.make_mesh(jax.devices()[:4])
+    sh = shardings_for(logical_axes(mcfg), mesh, ShardingRules.train(mcfg, layout))
+    spec = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer)
+    tx, _ = make_optimizer(cfg.optim, 10)
+    upd = (BlockwiseUpdater(mcfg, spec, tx, block_size=16, cache=cache) if blockwise else
+           Updater(mcfg, spec, tx, cache=cache))
+    rng = np.random.default_rng(0)
+    batch = [Sample(rng.integers(3, 100, rng.integers(3, 12)).tolist(), rng.integers(3, 100, rng.integers(1, 30)).tolist(),
+                    float(rng.normal())) for _ in range(6)]
+    pack_len = 48
+    mbs = rl.micro_batches(batch, cfg, mesh, pack_len, cfg.rollout.max_new_tokens, rl.micro_batch_rows(cfg, mesh, pack_len))
+    p = init(jax.random.key(0), mcfg, shardings=sh)
+    p, o, m = upd.update(p, init_state(tx, p, sh, mesh), mbs)
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves((p, o, m))]
+
+
+@pytest.mark.parametrize("blockwise", [False, True], ids=["full", "blockwise"])
+def test_the_train_update_from_stored_executables_is_bitwise_the_compiled_one(store, blockwise):
+    """The update's executables (gradient with and without sums, the optimizer's update, the blockwise backward's
+    steps) are keyed by their module-level function, bound configs and the optimizer's config
+    (`make_optimizer`); on a sharded train layout, loaded from the store in a fresh cache, they give the
+    compiled executables' bits."""
+    from jaxrl.rollout.executor import ExecutableCache
+
+    want = _train_update(ExecutableCache(use_store=False), blockwise)
+    first = ExecutableCache()
+    assert _train_update(first, blockwise) == want
+    again, traces = ExecutableCache(), Traces(("_grads", "_update", "block_step"))
+    assert _train_update(again, blockwise) == want
+    assert first.loads == 0 and first.compiles > 0 and traces.names == []
+    assert again.loads == again.compiles == first.compiles       # every executable loaded, none traced
 
 
 SCRIPT = textwrap.dedent("""

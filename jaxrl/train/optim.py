@@ -12,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.config.train import OptimSection
+from jaxrl.executable_store import KEY_ATTRIBUTE, stable_text
 from models import lora
 
 _DECAYED = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lora_a", "lora_b"}
@@ -43,7 +44,10 @@ def make_optimizer(o: OptimSection, total_steps: int) -> tuple[optax.GradientTra
     lr = schedule(o, total_steps)
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm is not None else []
     parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), jax.jit(lr)
+    tx = optax.chain(*parts)
+    # what made it, which determines its programs: the update's executables are stored by it (jaxrl.executable_store)
+    setattr(tx, KEY_ATTRIBUTE, f"{__name__}.make_optimizer({stable_text(o)}, {total_steps})")
+    return tx, jax.jit(lr)
 
 
 def init_state(tx: optax.GradientTransformation, params, param_shardings, mesh):

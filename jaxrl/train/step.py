@@ -104,8 +104,11 @@ def token_logp(params, cfg: ModelConfig, batch, temperature: float = 1.0, *, rem
 def make_logprob_fn(cfg: ModelConfig, spec: LossSpec):
     """Jitted `(params, batch) -> logp [R, L]` (old-policy and reference log-probs; no backward, so
     `spec.remat` does not apply)."""
-    return jax.jit(lambda params, batch: token_logp(params, cfg, batch, spec.temperature,
-                                                    attention_impl=spec.attention_impl)[0])
+    return jax.jit(functools.partial(_logprobs, cfg=cfg, spec=spec))
+
+
+def _logprobs(params, batch, *, cfg: ModelConfig, spec: LossSpec):
+    return token_logp(params, cfg, batch, spec.temperature, attention_impl=spec.attention_impl)[0]
 
 
 def token_loss(logp, ent, mb, spec: LossSpec):
