@@ -321,8 +321,10 @@ _note_jax_cache_loads()
 def _jax_cache_bytes(executable) -> bytes | None:
     """The bytes JAX's persistent cache deserialised `executable` from (None: compiled in this process)."""
     fingerprint, key = _FROM_JAX_CACHE.get(id(executable), (None, None))
-    if key is None or fingerprint != executable.fingerprint:       # (an id reused by another program)
+    if key is None:
         return None
+    if fingerprint is None or fingerprint != executable.fingerprint:
+        raise ValueError("cannot tell it from a program JAX's cache loaded")    # (an id reused: not stored)
     cache = compilation_cache._get_cache(executable.client)
     data = cache.get(key) if cache is not None else None
     if data is None:
