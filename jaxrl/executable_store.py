@@ -323,7 +323,7 @@ def _jax_cache_bytes(executable) -> bytes | None:
     fingerprint, key = _FROM_JAX_CACHE.get(id(executable), (None, None))
     if key is None:
         return None
-    if fingerprint is None or fingerprint != executable.fingerprint:
+    if not fingerprint or fingerprint != executable.fingerprint:    # (XLA:CPU gives a program without inputs none)
         raise ValueError("cannot tell it from a program JAX's cache loaded")    # (an id reused: not stored)
     cache = compilation_cache._get_cache(executable.client)
     data = cache.get(key) if cache is not None else None

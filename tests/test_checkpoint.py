@@ -106,6 +106,28 @@ def test_keep_last_two_and_latest_step(tmp_path, mesh):
             mgr.restore(1, target=make_state(mesh))
 
 
+def test_reload_waits_out_a_step_renamed_by_another_process(tmp_path, mesh, monkeypatch):
+    """The primary renames a bad step aside while another process reloads: orbax then finds the step's
+    directory gone (NotADirectoryError, seen in a 2-process resume after a kill); the reload is tried again."""
+    with CheckpointManager(tmp_path, keep=2) as mgr:
+        mgr.save(1, make_state(mesh, seed=1), {"step": 1})
+        real, calls = mgr._mgr.reload, []
+
+        def racing():
+            calls.append(1)
+            if len(calls) < 3:
+                raise NotADirectoryError(f"Path is not a directory: {tmp_path / '2'}")
+            return real()
+
+        monkeypatch.setattr(mgr._mgr, "reload", racing)
+        monkeypatch.setattr(CheckpointManager, "RELOAD_WAIT_S", 0.0)
+        assert mgr.latest_step() == 1 and len(calls) >= 3
+        calls.clear()
+        monkeypatch.setattr(mgr._mgr, "reload", lambda: (_ for _ in ()).throw(FileNotFoundError("gone")))
+        with pytest.raises(FileNotFoundError):             # for good: the error, after RELOAD_TRIES tries
+            mgr._reload()
+
+
 def test_empty_directory_restores_none(tmp_path, mesh):
     with CheckpointManager(tmp_path / "none") as mgr:
         assert mgr.latest_step() is None

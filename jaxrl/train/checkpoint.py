@@ -58,6 +58,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -313,11 +314,25 @@ class CheckpointManager:
             except OSError as e:
                 where = f"could not move it aside ({_one_line(e)})"
             log.warning("checkpoint %s is unusable: %s; %s, falling back to an older checkpoint", src, reason, where)
-        self._mgr.reload()
+        self._reload()
+
+    RELOAD_TRIES, RELOAD_WAIT_S = 50, 0.1
+
+    def _reload(self) -> None:
+        """orbax's reload, again while a step directory vanishes under it: in a multi-process run the primary
+        renames a bad step aside while the others reload (seen: a 2-process resume after a kill, the other
+        process's orbax reading ``<step>/_CHECKPOINT_METADATA`` after the rename: NotADirectoryError)."""
+        for attempt in range(self.RELOAD_TRIES):
+            try:
+                return self._mgr.reload()
+            except (FileNotFoundError, NotADirectoryError):
+                if attempt == self.RELOAD_TRIES - 1:
+                    raise
+                time.sleep(self.RELOAD_WAIT_S)
 
     def _newest_good(self) -> tuple[int | None, bool]:
         """(newest step that passes ``_verify`` or None, whether any step was moved aside on the way)."""
-        self._mgr.reload()
+        self._reload()
         moved = False
         for step in sorted(self._mgr.all_steps(), reverse=True):
             if step in self._bad:
@@ -410,7 +425,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restore
 
     def _resolve_explicit(self, step: int) -> int:
-        self._mgr.reload()  # another process (or an earlier run) may have written steps
+        self._reload()  # another process (or an earlier run) may have written steps
         step = int(step)
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
