@@ -50,11 +50,13 @@ def logged(directory: Path) -> dict:
 
 def one(mode: str, extra: list[str], work: Path, index, cache: Path) -> dict:
     log = work / f"log_{mode}_{index}"
+    saved = {k: os.environ.get(k) for k in ("JAXRL_EXECUTABLE_STORE", "JAXRL_COMPILE_LOG")}
     os.environ.update(JAXRL_EXECUTABLE_STORE=MODES[mode], JAXRL_COMPILE_LOG=str(log))
-    try:
+    try:                       # (the run inherits them; this process, e.g. a test's, gets its own back)
         out = run("background", extra, work, f"{mode}_{index}", cache)
     finally:
-        os.environ.pop("JAXRL_COMPILE_LOG")
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return {**out, "mode": mode, "programs": logged(log)}
 
 
