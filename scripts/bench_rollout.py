@@ -23,6 +23,7 @@ without a GPU it records `"gpu": null` and the reason.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -99,12 +100,111 @@ def decode_flops(cfg, batch: int, prompt_len: int, new_tokens: int) -> float:
     return batch * new_tokens * (dense + attention)
 
 
-def _peak_gflops() -> float | None:
+def _bench_peak():
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_peak", Path(__file__).resolve().parent / "bench_peak.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return ((mod.load_peak() or {}).get("peak_gflops") or {}).get("float32")
+    return mod
+
+
+def machine_limits(quick: bool) -> dict:
+    """This machine's float32 matmul rate and read bandwidth, measured now (bench_peak.py's square 2048³ dot and
+    its `sum` over 512 MiB, best of 3): the peak the GFLOP/s are a fraction of, and the bandwidth that bounds a
+    decode step whose weights do not stay in cache. --quick: smaller and shorter (smoke test)."""
+    bp = _bench_peak()
+    n = 512 if quick else 2048
+    g = dict(name=f"square {n}", model=None, op="square", phase="reference", m=n, k=n, n=n)
+    peak = bp.gemm(g, "float32", "native", min_seconds=0.1 if quick else 1.0, repeats=3)
+    read = bp.bandwidth(16 if quick else 512, min_seconds=0.1 if quick else 1.0, repeats=3)["read"]
+    return {"peak": peak, "read_gb_s": read}
+
+
+def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device, steps: int = 20) -> dict:
+    """ms per decode step at `batch` rows over `context` tokens, each part compiled as its own program and
+    timed alone (median of `steps` runs after 3 warm-ups): the engine's step (`model_step.decode_step`,
+    greedy rows, as the benchmark runs it), its dense part (the same `decoder_stack` and LM head with
+    attention replaced by its query: no KV written, gathered or attended; an argmax for the sampler) and the
+    sampler (`sampling.sample` on [batch, vocab] logits). attention_kv_ms = step - dense - sampler: what the
+    paged attention and the KV writes add. matmuls_ms: the dense part's matmuls alone over separate per-layer
+    buffers (an unrolled chain): what they cost when no layer's weights are copied out of the stacked arrays
+    first (the layer scan's dynamic slices are: XLA:CPU has no dot that reads a dynamic slice in place).
+    `weight_bytes`: the float32 weights a step reads once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl.rollout import model_step
+    from jaxrl.rollout.executor import decode_inputs
+    from jaxrl.rollout.params import SamplingParams
+    from jaxrl.rollout.sampling import SamplingBatch, sample
+    from jaxrl.rollout.scheduler import DecodeBatch
+    from models import decoder_stack, lm_head
+
+    rep = NamedSharding(jax.sharding.Mesh(np.array([device]), ("tp",)), PartitionSpec())
+    put = lambda x: jax.device_put(x, rep)  # noqa: E731
+    w = put(weights)
+    width = -(-context // page_size)
+    shape = (cfg.num_layers, batch * width + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
+    k, v = put(jnp.zeros(shape, jnp.float32)), put(jnp.zeros(shape, jnp.float32))
+    greedy = [(SamplingParams(temperature=0.0), 0, 0)] * batch
+    b = DecodeBatch([], np.ones(batch, np.int32), np.full(batch, context - 1, np.int32), np.full(batch, -1, np.int32),
+                    (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width), greedy)
+    prev = put(np.zeros(batch, np.int32))
+
+    def dense(weights, tokens, positions):
+        h, _, _ = decoder_stack(weights, cfg, weights.embed[tokens[:, None]], positions[:, None],
+                                lambda l, q, k_, v_, carry, xs: (q, carry, None))
+        logits = jnp.einsum("be,ev->bv", h[:, 0], lm_head(weights))
+        return jnp.argmax(logits, axis=-1)
+
+    def timed(fn, make_args) -> float:
+        ts = []
+        for i in range(steps + 3):
+            args = make_args()
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts[3:])
+
+    step = jax.jit(functools.partial(model_step.decode_step, cfg=cfg), donate_argnums=(1, 2))
+    state = {"kv": (k, v)}
+
+    def run_step(*args):
+        tok, logp, kk, vv = step(*args)
+        state["kv"] = (kk, vv)
+        return tok, logp
+
+    step_ms = timed(run_step, lambda: decode_inputs(w, *state["kv"], prev, b, put))
+    tokens, positions = put(b.tokens), put(b.positions)
+    dense_ms = timed(jax.jit(dense), lambda: (w, tokens, positions))
+    # the same matmuls (q, k, v, o, gate, up, down per layer, then the LM head) over separate per-layer
+    # buffers, chained in an unrolled loop: each dot reads its weights where they lie (no norms or RoPE)
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    per_layer = [{n: put(np.asarray(getattr(weights.layers, n)[i]).reshape(
+        (cfg.hidden_size, -1) if n != "wo" and n != "w_down" else (-1, cfg.hidden_size))) for n in names}
+        for i in range(cfg.num_layers)]
+    head = put(lm_head(weights))
+
+    def matmuls(x, per_layer, head):
+        for m in per_layer:
+            qkv = jnp.concatenate([x @ m["wq"], x @ m["wk"], x @ m["wv"]], axis=-1)
+            x = x + qkv[:, :m["wo"].shape[0]] @ m["wo"]
+            x = x + (jax.nn.silu(x @ m["w_gate"]) * (x @ m["w_up"])) @ m["w_down"]
+        return jnp.argmax(x @ head, axis=-1)
+
+    x0 = put(np.full((batch, cfg.hidden_size), 0.01, np.float32))
+    matmuls_ms = timed(jax.jit(matmuls), lambda: (x0, per_layer, head))
+    logits = put(jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32))
+    sb = SamplingBatch.build(greedy, batch)
+    sb = put(sb)
+    sampler_ms = timed(jax.jit(sample), lambda: (logits, sb))
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+    return {"batch": batch, "context": context, "step_ms": step_ms, "dense_ms": dense_ms, "matmuls_ms": matmuls_ms,
+            "sampler_ms": sampler_ms,
+            "attention_kv_ms": step_ms - dense_ms - sampler_ms, "weight_bytes": nbytes,
+            "dense_gb_s": nbytes / dense_ms / 1e6}
 
 
 def bench_cpu(args) -> dict:
@@ -124,7 +224,8 @@ def bench_cpu(args) -> dict:
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     rows = []
-    peak = _peak_gflops()
+    limits = machine_limits(args.quick)
+    peak = limits["peak"].get("gflops")
     for B in args.batches:
         prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
         first, _, _ = run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu)     # compiles
@@ -142,10 +243,19 @@ def bench_cpu(args) -> dict:
                "greedy_token_agreement": agree}
         row["ours_gflops"] = decode_flops(cfg, B, args.prompt_len, args.new_tokens) / t_ours / 1e9
         row["peak_fraction"] = row["ours_gflops"] / peak if peak else None
+        # the parts of one decode step at the run's mean context (prompt + half the new tokens)
+        row["parts"] = decode_parts(cfg, weights, B, args.prompt_len + args.new_tokens // 2, args.page_size, cpu[0])
+        row["parts"]["read_floor_ms"] = row["parts"]["weight_bytes"] / limits["read_gb_s"] / 1e6
         rows.append(row)
+        pt = row["parts"]
         print(f"batch {B}: ours {row['ours_tok_s']:.1f} tok/s, hf {row['hf_tok_s']:.1f} tok/s, "
-              f"ratio {row['ratio']:.2f} (compile {row['ours_compile_s']:.1f}s, agreement {agree:.3f})", flush=True)
-    return {"rows": rows, "model": {k: getattr(cfg, k) for k in (
+              f"ratio {row['ratio']:.2f} (compile {row['ours_compile_s']:.1f}s, agreement {agree:.3f}); step "
+              f"{pt['step_ms']:.1f} ms = dense {pt['dense_ms']:.1f} + sampler {pt['sampler_ms']:.1f} + attention/KV "
+              f"{pt['attention_kv_ms']:.1f}", flush=True)
+    from jaxrl.train.summary import machine
+
+    return {"rows": rows, "machine": machine(), "peak": limits["peak"], "read_gb_s": limits["read_gb_s"],
+            "loadavg": list(os.getloadavg()), "model": {k: getattr(cfg, k) for k in (
                 "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "tie_embeddings")} | {"dtype": "float32"},
             "environment": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,

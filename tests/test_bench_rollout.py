@@ -37,6 +37,13 @@ def test_quick_run_writes_schema(tmp_path):
     assert (tmp_path / "bench.md").read_text().startswith("| batch |")
     assert [r["batch"] for r in result["rows"]] == [1, 4]
     st = result["settings"]
+    cfg = mod.bench_config(True)          # its parameter count by hand (tied embeddings: no separate LM head)
+    h, d = cfg.hidden_size, cfg.head_dim
+    layer = (2 * h + h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
+             + (2 * d if cfg.qk_norm else 0))
+    weights = cfg.vocab_size * h + cfg.num_layers * layer + h
+    assert result["peak"]["gflops"] > 0 and result["read_gb_s"] > 0
+    assert result["machine"]["cores"] >= 1
     for r in result["rows"]:
         for key in ("ours_tok_s", "hf_tok_s", "ratio", "ours_s", "hf_s"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
@@ -49,7 +56,15 @@ def test_quick_run_writes_schema(tmp_path):
         assert r["greedy_token_agreement"] == 1.0   # same weights, same greedy function
         flops = mod.decode_flops(mod.bench_config(True), r["batch"], st["prompt_len"], st["new_tokens"])
         assert r["ours_gflops"] == pytest.approx(flops / r["ours_s"] / 1e9, rel=1e-12)
-        assert r["peak_fraction"] is None or r["peak_fraction"] > 0
+        assert r["peak_fraction"] == pytest.approx(r["ours_gflops"] / result["peak"]["gflops"], rel=1e-12)
+        p = r["parts"]                  # one decode step's parts, each timed alone
+        assert (p["batch"], p["context"]) == (r["batch"], st["prompt_len"] + st["new_tokens"] // 2)
+        for key in ("step_ms", "dense_ms", "matmuls_ms", "sampler_ms"):
+            assert isinstance(p[key], float) and math.isfinite(p[key]) and p[key] > 0, (key, p)
+        assert p["attention_kv_ms"] == pytest.approx(p["step_ms"] - p["dense_ms"] - p["sampler_ms"], rel=1e-12)
+        assert p["weight_bytes"] == 4 * weights            # float32, every weight once
+        assert p["dense_gb_s"] == pytest.approx(p["weight_bytes"] / p["dense_ms"] / 1e6, rel=1e-12)
+        assert p["read_floor_ms"] == pytest.approx(p["weight_bytes"] / result["read_gb_s"] / 1e6, rel=1e-12)
     env = result["environment"]
     assert {"jax", "torch", "cpu_cores"} <= set(env)
     assert "gpu" in result and (result["gpu"] is not None or result["gpu_reason"])
