@@ -17,12 +17,12 @@ __all__ = [
     "fit_vocab", "padded_vocab", "vocab_rows",
 ]
 
-from .forward import (ATTENTION_IMPLS, REMAT_POLICIES, decoder_stack, forward, forward_block,  # noqa: E402
-                      inv_freq, lm_head)
+from .forward import (ATTENTION_IMPLS, REMAT_POLICIES, decoder_layer, decoder_stack, forward,  # noqa: E402
+                      forward_block, inv_freq, lm_head)
 from .hf import CheckpointError, config_from_hf, config_to_hf, load_hf, save_hf  # noqa: E402
 
-__all__ += ["ATTENTION_IMPLS", "REMAT_POLICIES", "decoder_stack", "forward", "forward_block", "inv_freq", "lm_head",
-            "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
+__all__ += ["ATTENTION_IMPLS", "REMAT_POLICIES", "decoder_layer", "decoder_stack", "forward", "forward_block",
+            "inv_freq", "lm_head", "CheckpointError", "config_from_hf", "config_to_hf", "load_hf", "save_hf"]
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
 
 __all__ += ["CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "save_tokenizer"]

@@ -1,8 +1,8 @@
-"""Forward passes over the one decoder layer: `decoder_stack` (the layer, scanned), `forward` (training),
-`forward_block` (a block of tokens against given history K/V).
+"""Forward passes over the one decoder layer (`decoder_layer`): `decoder_stack` (the layer, scanned),
+`forward` (training), `forward_block` (a block of tokens against given history K/V).
 
 The decoder layer (norm -> q/k/v -> attend -> wo -> residual -> norm -> SwiGLU -> residual) is written
-once, in `decoder_stack`. What differs between the train forward, the block forward and the rollout's
+once, in `decoder_layer`, which `decoder_stack` scans. What differs between the train forward, the block forward and the rollout's
 prefill/decode steps is only how a layer's queries meet keys and values, so each caller passes an
 `attend` hook: the train forward attends within the block (segment masks for packed rows), the block
 forward attends over [history; block], and `jaxrl.rollout.model_step` writes the paged KV cache and
@@ -63,6 +63,23 @@ def _remat(body, remat: str):
     return jax.checkpoint(body, policy=policy, prevent_cse=False)
 
 
+def decoder_layer(layer, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend: Attend, l, carry=None,
+                  xs_l=None, *, freqs=None):
+    """One decoder layer (`layer`: one layer's weights, a `Layers` without the leading layer axis) on x [B,T,E]
+    -> (x, carry, ys_l); `attend` as in `decoder_stack`, called with layer index `l`. `decoder_stack` scans it."""
+    freqs = inv_freq(cfg) if freqs is None else freqs
+    with jax.named_scope("decoder_layer"):
+        h = L.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        q, k, v = L.project_qkv(h, wq=layer.wq, wk=layer.wk, wv=layer.wv, bq=layer.bq, bk=layer.bk,
+                                bv=layer.bv, q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps,
+                                positions=positions, inv_freq=freqs)
+        o, carry, ys_l = attend(l, q, k, v, carry, xs_l)
+        x = x + L.attn_output(o, layer.wo)
+        h = L.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        x = x + L.swiglu_mlp(h, layer.w_gate, layer.w_up, layer.w_down)
+    return x, carry, ys_l
+
+
 def decoder_stack(weights: Weights, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend: Attend, *,
                   carry=None, xs=None, remat: str = "none"):
     """Embedded input x [B,T,E] -> (final-normed hidden [B,T,E], carry, ys).
@@ -79,15 +96,7 @@ def decoder_stack(weights: Weights, cfg: ModelConfig, x: jax.Array, positions: j
     def body(c, inp):
         x, carry = c
         layer, l, xs_l = inp
-        with jax.named_scope("decoder_layer"):
-            h = L.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = L.project_qkv(h, wq=layer.wq, wk=layer.wk, wv=layer.wv, bq=layer.bq, bk=layer.bk,
-                                    bv=layer.bv, q_norm=layer.q_norm, k_norm=layer.k_norm, eps=cfg.rms_norm_eps,
-                                    positions=positions, inv_freq=freqs)
-            o, carry, ys_l = attend(l, q, k, v, carry, xs_l)
-            x = x + L.attn_output(o, layer.wo)
-            h = L.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            x = x + L.swiglu_mlp(h, layer.w_gate, layer.w_up, layer.w_down)
+        x, carry, ys_l = decoder_layer(layer, cfg, x, positions, attend, l, carry, xs_l, freqs=freqs)
         return (x, carry), ys_l
 
     (x, carry), ys = jax.lax.scan(_remat(body, remat), (x, carry),

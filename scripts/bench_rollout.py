@@ -120,6 +120,72 @@ def machine_limits(quick: bool) -> dict:
     return {"peak": peak, "read_gb_s": read}
 
 
+def _layer_loop(cfg, weights, b, put, kv, timed, step, state):
+    """A prototype of the decode step without the layer scan: the same computation as `model_step.decode_step`
+    (its embedding, `models.decoder_layer` with its paged-attention hook, final norm, logits and sampler) as
+    programs the host runs in turn: the embedding, one layer program run once per layer over that layer's own
+    weight buffers (the layer index an input: one compilation for every layer; the KV pool donated through
+    each), then the head and sampler. Returns (ms per step, whether its tokens equal the engine step's)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl.rollout import model_step
+    from jaxrl.rollout.executor import decode_inputs
+    from kernels import normalize, paged_decode_attention
+    from models import decoder_layer
+    from models.layers import rms_norm
+
+    layers = [put(jax.tree.map(lambda a, i=i: np.asarray(a[i]), weights.layers)) for i in range(cfg.num_layers)]
+    w = put(weights)
+
+    def embed(weights, inputs):
+        src, tokens, positions, table, sampling = inputs.unpack()
+        return weights.embed[tokens[:, None]]
+
+    def layer_step(layer, x, k_pages, v_pages, l, inputs):
+        _, _, positions, page_table, _ = inputs.unpack()
+        ps = k_pages.shape[3]
+        page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
+        slot = positions % ps
+
+        def attend(l, q, k, v, pages, _):               # model_step.decode_step's hook
+            k_pages, v_pages = pages
+            k_pages = k_pages.at[l, page, :, slot].set(k[:, 0].astype(k_pages.dtype))
+            v_pages = v_pages.at[l, page, :, slot].set(v[:, 0].astype(v_pages.dtype))
+            o, lse_l, _ = paged_decode_attention(q[:, 0], k_pages[l], v_pages[l], page_table, positions + 1,
+                                                 window=cfg.sliding_window, implementation="xla")
+            return normalize(o, lse_l, dtype=q.dtype)[:, None], (k_pages, v_pages), None
+
+        x, (k_pages, v_pages), _ = decoder_layer(layer, cfg, x, positions[:, None], attend, l, (k_pages, v_pages))
+        return x, k_pages, v_pages
+
+    def head(weights, x, inputs):
+        sampling = inputs.unpack()[4]
+        h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+        return model_step.sample(model_step._logits(weights, h[:, 0], cfg.vocab_size), sampling)[0]
+
+    embed, layer_step, head = jax.jit(embed), jax.jit(layer_step, donate_argnums=(2, 3)), jax.jit(head)
+    pool = {"kv": tuple(put(jnp.zeros_like(a)) for a in kv)}
+    ids = [put(np.int32(i)) for i in range(cfg.num_layers)]
+
+    def run(*inputs):
+        inputs = inputs[4]
+        x, (kk, vv) = embed(w, inputs), pool["kv"]
+        for layer, l in zip(layers, ids):
+            x, kk, vv = layer_step(layer, x, kk, vv, l, inputs)
+        pool["kv"] = (kk, vv)
+        return head(w, x, inputs)
+
+    prev = put(np.zeros(len(b.tokens), np.int32))
+    ms = timed(run, lambda: decode_inputs(w, None, None, prev, b, put))
+    inputs = decode_inputs(w, *state["kv"], prev, b, put)
+    want = np.asarray(step(*inputs)[0])[:len(b.tokens)]
+    state["kv"] = None
+    got = np.asarray(run(*decode_inputs(w, None, None, prev, b, put)))
+    return ms, bool((got == want).all())
+
+
 def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device, steps: int = 20) -> dict:
     """ms per decode step at `batch` rows over `context` tokens, each part compiled as its own program and
     timed alone (median of `steps` runs after 3 warm-ups): the engine's step (`model_step.decode_step`,
@@ -196,13 +262,14 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
 
     x0 = put(np.full((batch, cfg.hidden_size), 0.01, np.float32))
     matmuls_ms = timed(jax.jit(matmuls), lambda: (x0, per_layer, head))
+    layer_loop_ms, same_tokens = _layer_loop(cfg, weights, b, put, (k, v), timed, step, state)
     logits = put(jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32))
     sb = SamplingBatch.build(greedy, batch)
     sb = put(sb)
     sampler_ms = timed(jax.jit(sample), lambda: (logits, sb))
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
     return {"batch": batch, "context": context, "step_ms": step_ms, "dense_ms": dense_ms, "matmuls_ms": matmuls_ms,
-            "sampler_ms": sampler_ms,
+            "layer_loop_ms": layer_loop_ms, "layer_loop_same_tokens": same_tokens, "sampler_ms": sampler_ms,
             "attention_kv_ms": step_ms - dense_ms - sampler_ms, "weight_bytes": nbytes,
             "dense_gb_s": nbytes / dense_ms / 1e6}
 

@@ -272,7 +272,10 @@ def rollout() -> str:
                 f"step: {p['dense_gb_s']:.1f} GB/s, against this machine's read bandwidth of {d['read_gb_s']:.1f} GB/s "
                 f"measured in the same run (a {p['read_floor_ms']:.1f} ms floor for the step); its matmuls over "
                 f"separate per-layer buffers take {p['matmuls_ms']:.1f} ms "
-                f"({p['dense_ms'] / p['matmuls_ms']:.2f}× less than the layer scan's dense part).")
+                f"({p['dense_ms'] / p['matmuls_ms']:.2f}× less than the layer scan's dense part). A prototype of the "
+                f"step without the scan (one layer program the host runs per layer over that layer's own weights, "
+                f"the stacked KV pool donated through each) takes {p['layer_loop_ms']:.1f} ms against the engine "
+                f"step's {p['step_ms']:.1f} ms, with {'the same' if p['layer_loop_same_tokens'] else 'other'} tokens.")
     pk = d["peak"]
     out += (f" Of peak: GFLOP/s (2 per weight per token plus causal attention) ÷ {pk['gflops']:.0f} GFLOP/s, the "
             f"float32 {pk['name']} matmul measured at the start. Step parts: one decode step at the mean context "
