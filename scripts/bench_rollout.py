@@ -227,7 +227,7 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
 
     def timed(fn, make_args) -> float:
         ts = []
-        for i in range(steps + 3):
+        for _ in range(steps + 3):
             args = make_args()
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
@@ -262,7 +262,7 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
 
     x0 = put(np.full((batch, cfg.hidden_size), 0.01, np.float32))
     matmuls_ms = timed(jax.jit(matmuls), lambda: (x0, per_layer, head))
-    layer_loop_ms, same_tokens = _layer_loop(cfg, weights, b, put, (k, v), timed, step, state)
+    layer_loop_ms, same_tokens = _layer_loop(cfg, weights, b, put, state["kv"], timed, step, state)
     logits = put(jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32))
     sb = SamplingBatch.build(greedy, batch)
     sb = put(sb)
