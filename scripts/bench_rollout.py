@@ -120,12 +120,14 @@ def machine_limits(quick: bool) -> dict:
     return {"peak": peak, "read_gb_s": read}
 
 
-def _layer_loop(cfg, weights, b, put, kv, timed, step, state):
+def _layer_loop(cfg, weights, b, put, kv, step, state, own_pools: bool = False):
     """A prototype of the decode step without the layer scan: the same computation as `model_step.decode_step`
     (its embedding, `models.decoder_layer` with its paged-attention hook, final norm, logits and sampler) as
     programs the host runs in turn: the embedding, one layer program run once per layer over that layer's own
-    weight buffers (the layer index an input: one compilation for every layer; the KV pool donated through
-    each), then the head and sampler. Returns (ms per step, whether its tokens equal the engine step's)."""
+    weight buffers (one compilation for every layer), then the head and sampler. The KV pool: the engine's
+    stacked [layers, pages, ...] one donated through each layer program, which writes and reads it at the layer
+    index (an input), or with `own_pools` one pool per layer ([1, pages, ...], index 0: no dynamic slice).
+    Returns (the step as a callable, a maker of its arguments, whether its tokens equal the engine step's)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -165,31 +167,35 @@ def _layer_loop(cfg, weights, b, put, kv, timed, step, state):
         h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
         return model_step.sample(model_step._logits(weights, h[:, 0], cfg.vocab_size), sampling)[0]
 
-    embed, layer_step, head = jax.jit(embed), jax.jit(layer_step, donate_argnums=(2, 3)), jax.jit(head)
-    pool = {"kv": tuple(put(jnp.zeros_like(a)) for a in kv)}
-    ids = [put(np.int32(i)) for i in range(cfg.num_layers)]
+    embed, head = jax.jit(embed), jax.jit(head)
+    if own_pools:
+        layer_step = jax.jit(layer_step, donate_argnums=(2, 3), static_argnums=(4,))
+        pools = [[put(jnp.zeros((1,) + a.shape[1:], a.dtype)) for a in kv] for _ in range(cfg.num_layers)]
+        ids = [0] * cfg.num_layers
+    else:
+        layer_step = jax.jit(layer_step, donate_argnums=(2, 3))
+        pools = [[put(jnp.zeros_like(a)) for a in kv]]
+        ids = [put(np.int32(i)) for i in range(cfg.num_layers)]
 
     def run(*inputs):
         inputs = inputs[4]
-        x, (kk, vv) = embed(w, inputs), pool["kv"]
-        for layer, l in zip(layers, ids):
-            x, kk, vv = layer_step(layer, x, kk, vv, l, inputs)
-        pool["kv"] = (kk, vv)
+        x = embed(w, inputs)
+        for i, (layer, l) in enumerate(zip(layers, ids)):
+            pool = pools[i if own_pools else 0]
+            x, pool[0], pool[1] = layer_step(layer, x, pool[0], pool[1], l, inputs)
         return head(w, x, inputs)
 
     prev = put(np.zeros(len(b.tokens), np.int32))
-    ms = timed(run, lambda: decode_inputs(w, None, None, prev, b, put))
-    inputs = decode_inputs(w, *state["kv"], prev, b, put)
-    want = np.asarray(step(*inputs)[0])[:len(b.tokens)]
-    state["kv"] = None
-    got = np.asarray(run(*decode_inputs(w, None, None, prev, b, put)))
-    return ms, bool((got == want).all())
+    make_args = lambda: decode_inputs(w, None, None, prev, b, put)  # noqa: E731
+    tok, _, *state["kv"] = step(*decode_inputs(w, *state["kv"], prev, b, put))
+    got = np.asarray(run(*make_args()))
+    return run, make_args, bool((got == np.asarray(tok)[:len(b.tokens)]).all())
 
 
 def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device, steps: int = 20) -> dict:
     """ms per decode step at `batch` rows over `context` tokens, each part compiled as its own program and
-    timed alone (median of `steps` runs after 3 warm-ups): the engine's step (`model_step.decode_step`,
-    greedy rows, as the benchmark runs it), its dense part (the same `decoder_stack` and LM head with
+    timed alone, the parts in turn (median of `steps` rounds after 3 warm-up rounds): the engine's step
+    (`model_step.decode_step`, greedy rows, as the benchmark runs it), its dense part (the same `decoder_stack` and LM head with
     attention replaced by its query: no KV written, gathered or attended; an argmax for the sampler) and the
     sampler (`sampling.sample` on [batch, vocab] logits). attention_kv_ms = step - dense - sampler: what the
     paged attention and the KV writes add. matmuls_ms: the dense part's matmuls alone over separate per-layer
@@ -225,14 +231,6 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
         logits = jnp.einsum("be,ev->bv", h[:, 0], lm_head(weights))
         return jnp.argmax(logits, axis=-1)
 
-    def timed(fn, make_args) -> float:
-        ts = []
-        for _ in range(steps + 3):
-            args = make_args()
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(ts[3:])
 
     step = jax.jit(functools.partial(model_step.decode_step, cfg=cfg), donate_argnums=(1, 2))
     state = {"kv": (k, v)}
@@ -242,9 +240,9 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
         state["kv"] = (kk, vv)
         return tok, logp
 
-    step_ms = timed(run_step, lambda: decode_inputs(w, *state["kv"], prev, b, put))
+    parts = {"step_ms": (run_step, lambda: decode_inputs(w, *state["kv"], prev, b, put))}
     tokens, positions = put(b.tokens), put(b.positions)
-    dense_ms = timed(jax.jit(dense), lambda: (w, tokens, positions))
+    parts["dense_ms"] = (jax.jit(dense), lambda: (w, tokens, positions))
     # the same matmuls (q, k, v, o, gate, up, down per layer, then the LM head) over separate per-layer
     # buffers, chained in an unrolled loop: each dot reads its weights where they lie (no norms or RoPE)
     names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -261,15 +259,29 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
         return jnp.argmax(x @ head, axis=-1)
 
     x0 = put(np.full((batch, cfg.hidden_size), 0.01, np.float32))
-    matmuls_ms = timed(jax.jit(matmuls), lambda: (x0, per_layer, head))
-    layer_loop_ms, same_tokens = _layer_loop(cfg, weights, b, put, state["kv"], timed, step, state)
+    parts["matmuls_ms"] = (jax.jit(matmuls), lambda: (x0, per_layer, head))
+    *parts["layer_loop_ms"], same_tokens = _layer_loop(cfg, weights, b, put, state["kv"], step, state)
+    *parts["layer_loop_own_pools_ms"], own_same = _layer_loop(cfg, weights, b, put, state["kv"], step, state,
+                                                             own_pools=True)
     logits = put(jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32))
     sb = SamplingBatch.build(greedy, batch)
     sb = put(sb)
-    sampler_ms = timed(jax.jit(sample), lambda: (logits, sb))
+    parts["sampler_ms"] = (jax.jit(sample), lambda: (logits, sb))
+    times = {name: [] for name in parts}
+    for _ in range(steps + 3):        # interleaved: each round times every part once, so drifts hit all alike
+        for name, (fn, make_args) in parts.items():
+            args = make_args()
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    ms = {name: 1e3 * statistics.median(ts[3:]) for name, ts in times.items()}
+    step_ms, dense_ms, matmuls_ms, sampler_ms = ms["step_ms"], ms["dense_ms"], ms["matmuls_ms"], ms["sampler_ms"]
+    layer_loop_ms, own_pools_ms = ms["layer_loop_ms"], ms["layer_loop_own_pools_ms"]
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
     return {"batch": batch, "context": context, "step_ms": step_ms, "dense_ms": dense_ms, "matmuls_ms": matmuls_ms,
-            "layer_loop_ms": layer_loop_ms, "layer_loop_same_tokens": same_tokens, "sampler_ms": sampler_ms,
+            "layer_loop_ms": layer_loop_ms, "layer_loop_same_tokens": same_tokens,
+            "layer_loop_own_pools_ms": own_pools_ms, "layer_loop_own_pools_same_tokens": own_same,
+            "sampler_ms": sampler_ms,
             "attention_kv_ms": step_ms - dense_ms - sampler_ms, "weight_bytes": nbytes,
             "dense_gb_s": nbytes / dense_ms / 1e6}
 

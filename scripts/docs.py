@@ -275,12 +275,14 @@ def rollout() -> str:
                 f"({p['dense_ms'] / p['matmuls_ms']:.2f}× less than the layer scan's dense part). A prototype of the "
                 f"step without the scan (one layer program the host runs per layer over that layer's own weights, "
                 f"the stacked KV pool donated through each) takes {p['layer_loop_ms']:.1f} ms against the engine "
-                f"step's {p['step_ms']:.1f} ms, with {'the same' if p['layer_loop_same_tokens'] else 'other'} tokens.")
+                f"step's {p['step_ms']:.1f} ms, with {'the same' if p['layer_loop_same_tokens'] else 'other'} tokens; "
+                f"with a KV pool per layer, {p['layer_loop_own_pools_ms']:.1f} ms "
+                f"({'the same' if p['layer_loop_own_pools_same_tokens'] else 'other'} tokens).")
     pk = d["peak"]
     out += (f" Of peak: GFLOP/s (2 per weight per token plus causal attention) ÷ {pk['gflops']:.0f} GFLOP/s, the "
             f"float32 {pk['name']} matmul measured at the start. Step parts: one decode step at the mean context "
-            f"({d['rows'][0]['parts']['context']} tokens), each part compiled and timed alone (medians): the engine's step; its "
-            f"dense part (the same layer scan and LM head, attention replaced by its query: no KV written or read); "
+            f"({d['rows'][0]['parts']['context']} tokens), each part compiled and timed alone, in turn (medians): "
+            f"the engine's step; its dense part (the same layer scan and LM head, attention replaced by its query: no KV written or read); "
             f"the dense part's matmuls over separate per-layer buffers (no norms or RoPE); the sampler; attention + "
             f"KV = step − dense − sampler. Load average at the end: {d['loadavg'][0]:.2f}.")
     gpu = d.get("gpu")

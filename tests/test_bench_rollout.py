@@ -59,8 +59,9 @@ def test_quick_run_writes_schema(tmp_path):
         assert r["peak_fraction"] == pytest.approx(r["ours_gflops"] / result["peak"]["gflops"], rel=1e-12)
         p = r["parts"]                  # one decode step's parts, each timed alone
         assert (p["batch"], p["context"]) == (r["batch"], st["prompt_len"] + st["new_tokens"] // 2)
-        assert p["layer_loop_same_tokens"] is True     # the scan-free prototype computes the same step
-        for key in ("step_ms", "dense_ms", "matmuls_ms", "layer_loop_ms", "sampler_ms"):
+        assert p["layer_loop_same_tokens"] is True     # the scan-free prototypes compute the same step
+        assert p["layer_loop_own_pools_same_tokens"] is True
+        for key in ("step_ms", "dense_ms", "matmuls_ms", "layer_loop_ms", "layer_loop_own_pools_ms", "sampler_ms"):
             assert isinstance(p[key], float) and math.isfinite(p[key]) and p[key] > 0, (key, p)
         assert p["attention_kv_ms"] == pytest.approx(p["step_ms"] - p["dense_ms"] - p["sampler_ms"], rel=1e-12)
         assert p["weight_bytes"] == 4 * weights            # float32, every weight once
