@@ -52,7 +52,7 @@ import bench_e2e_workload as workload  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "bench_e2e.json"
-OUTPUTS = ("bench_e2e.json",)
+OUTPUTS = ("bench_e2e*.json",)   # the latest run, and runs on other CPUs kept as bench_e2e_<machine>.json
 HYPER = dict(steps=7, prompts_per_step=4, group=8, lr=1e-7, temperature=1.0, clip_low=0.2, clip_high=0.28, seed=0)
 WORKLOADS = {"3.2m": dict(max_new=512), "58m": dict(max_new=128)}
 QUICK = {"tiny": dict(max_new=16)}

@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Published HBM bandwidths (bytes/s) for the floor; a measured device-copy bandwidth is reported beside it.
 NOMINAL_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L4": 3.0e11, "A10": 6.0e11}
 
-OUTPUTS = ("bench_rollout.json", "bench_rollout.md")  # its files in scripts/results/ (tests/test_docs.py)
+OUTPUTS = ("bench_rollout*.json", "bench_rollout*.md")  # its files in scripts/results/ (tests/test_docs.py): the
+# latest run, and earlier ones on other CPUs kept as bench_rollout_<machine>.json (docs/rollout.md shows them all)
 
 
 def bench_config(quick: bool):
@@ -286,6 +287,54 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
             "dense_gb_s": nbytes / dense_ms / 1e6}
 
 
+def decode_widths(cfg, weights, batch: int, max_seq_len: int, page_size: int, device, steps: int = 15) -> dict:
+    """ms of the engine's decode step (`model_step.decode_step`, greedy) at `batch` rows by page-table width, each
+    width's rows at a context filling its table, the widths timed in turn (medians of `steps` rounds after 2
+    warm-up rounds): what a step costs as sequences grow, and so what each of the run's page buckets (`buckets`,
+    `ShapeBuckets.build` for this `max_seq_len`) costs. Widths: every even one up to the table's, and the buckets."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl.rollout import model_step
+    from jaxrl.rollout.executor import decode_inputs
+    from jaxrl.rollout.params import SamplingParams
+    from jaxrl.rollout.scheduler import DecodeBatch
+    from jaxrl.rollout.shapes import ShapeBuckets
+
+    buckets = ShapeBuckets.build(max_batch=batch, max_seq_len=max_seq_len, page_size=page_size).pages
+    widths = sorted(set(range(2, buckets[-1] + 1, 2)) | set(buckets))
+    rep = NamedSharding(jax.sharding.Mesh(np.array([device]), ("tp",)), PartitionSpec())
+    put = lambda x: jax.device_put(x, rep)  # noqa: E731
+    w = put(weights)
+    shape = (cfg.num_layers, batch * buckets[-1] + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
+    state = {"kv": (put(jnp.zeros(shape, jnp.float32)), put(jnp.zeros(shape, jnp.float32)))}
+    step = jax.jit(functools.partial(model_step.decode_step, cfg=cfg), donate_argnums=(1, 2))
+    prev = put(np.zeros(batch, np.int32))
+    greedy = [(SamplingParams(temperature=0.0), 0, 0)] * batch
+
+    def runner(width):
+        b = DecodeBatch([], np.ones(batch, np.int32), np.full(batch, width * page_size - 1, np.int32),
+                        np.full(batch, -1, np.int32),
+                        (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width), greedy)
+
+        def run():
+            tok, _, *state["kv"] = step(*decode_inputs(w, *state["kv"], prev, b, put))
+            return tok
+        return run
+
+    runs = {width: runner(width) for width in widths}
+    times = {width: [] for width in widths}
+    for _ in range(steps + 2):
+        for width, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[width].append(time.perf_counter() - t0)
+    return {"batch": batch, "buckets": list(buckets),
+            "step_ms": {str(width): 1e3 * statistics.median(ts[2:]) for width, ts in times.items()}}
+
+
 def bench_cpu(args) -> dict:
     import jax
     import numpy as np
@@ -331,9 +380,14 @@ def bench_cpu(args) -> dict:
               f"ratio {row['ratio']:.2f} (compile {row['ours_compile_s']:.1f}s, agreement {agree:.3f}); step "
               f"{pt['step_ms']:.1f} ms = dense {pt['dense_ms']:.1f} + sampler {pt['sampler_ms']:.1f} + attention/KV "
               f"{pt['attention_kv_ms']:.1f}", flush=True)
+    widths = decode_widths(cfg, weights, max(args.batches), args.prompt_len + args.new_tokens, args.page_size,
+                           cpu[0])
+    print(f"batch {widths['batch']}: decode step ms by page-table width {widths['step_ms']} (buckets "
+          f"{widths['buckets']})", flush=True)
     from jaxrl.train.summary import machine
 
-    return {"rows": rows, "machine": machine(), "peak": limits["peak"], "read_gb_s": limits["read_gb_s"],
+    return {"rows": rows, "widths": widths, "machine": machine(), "peak": limits["peak"],
+            "read_gb_s": limits["read_gb_s"],
             "loadavg": list(os.getloadavg()), "model": {k: getattr(cfg, k) for k in (
                 "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "tie_embeddings")} | {"dtype": "float32"},

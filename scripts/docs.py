@@ -272,7 +272,7 @@ def rollout() -> str:
                 f"step: {p['dense_gb_s']:.1f} GB/s, against this machine's read bandwidth of {d['read_gb_s']:.1f} GB/s "
                 f"measured in the same run (a {p['read_floor_ms']:.1f} ms floor for the step); its matmuls over "
                 f"separate per-layer buffers take {p['matmuls_ms']:.1f} ms "
-                f"({p['dense_ms'] / p['matmuls_ms']:.2f}× less than the layer scan's dense part). A prototype of the "
+                f"(the layer scan's dense part takes {p['dense_ms'] / p['matmuls_ms']:.2f}× that). A prototype of the "
                 f"step without the scan (one layer program the host runs per layer over that layer's own weights, "
                 f"the stacked KV pool donated through each) takes {p['layer_loop_ms']:.1f} ms against the engine "
                 f"step's {p['step_ms']:.1f} ms, with {'the same' if p['layer_loop_same_tokens'] else 'other'} tokens; "
@@ -285,11 +285,49 @@ def rollout() -> str:
             f"the engine's step; its dense part (the same layer scan and LM head, attention replaced by its query: no KV written or read); "
             f"the dense part's matmuls over separate per-layer buffers (no norms or RoPE); the sampler; attention + "
             f"KV = step − dense − sampler. Load average at the end: {d['loadavg'][0]:.2f}.")
+    wd = d.get("widths")
+    if wd:
+        ps = d["settings"]["page_size"]
+        ms = ", ".join(f"{w} pages {v:.1f}" for w, v in sorted(wd["step_ms"].items(), key=lambda kv: int(kv[0])))
+        out += (f"\n\nThe engine's decode step alone at batch {wd['batch']} by page-table width (pages of {ps} tokens, "
+                f"every row's table full; ms, medians, the widths in turn): {ms}. This run's decode buckets are "
+                f"{' and '.join(map(str, wd['buckets']))} pages: each step runs on the narrowest that fits its "
+                f"longest row, and the XLA path gathers and attends over every page of that width.")
     gpu = d.get("gpu")
     out += ("\n\nGPU: not measured (`\"gpu\": null` in the JSON)." if not gpu else
             f"\n\nGPU ({gpu['device']}), llama3.1-8b bf16, batch 1: {gpu['decode_ms_per_token']:.2f} ms/token, "
             f"floor {gpu['floor_ms_measured']:.2f} ms (measured bandwidth), {pct(gpu['fraction_of_floor'])} of floor.")
-    return out + "\n\n" + footer("bench_rollout.json")
+    return out + "\n\n" + footer("bench_rollout.json") + "\n\n" + rollout_machines()
+
+
+def cpu_model(d: dict) -> str:
+    """The CPU of a result's `machine` with its family and model numbers (two VMs sold under one name differ)."""
+    m = d.get("machine") or {}
+    fam = re.search(r"family (\d+) model (\d+)", m.get("cpu_id", ""))
+    return m.get("cpu", "not recorded") + (f" (family {fam[1]} model {fam[2]})" if fam else "")
+
+
+def rollout_machines() -> str:
+    """Issue 37's decode targets on every machine measured: each `bench_rollout*.json` (the table above is
+    `bench_rollout.json`'s; the others are earlier runs on other CPUs, kept under the machine's name)."""
+    files = sorted(f.name for f in RESULTS.glob("bench_rollout*.json"))
+    rows = []
+    for f in files:
+        d = load(f)
+        by = {r["batch"]: r for r in d["rows"]}
+        cells = []
+        for b, want in ROLLOUT_TARGETS.items():
+            r = by.get(b)
+            cells.append("–" if r is None else f"{r['ratio']:.2f} {'✓' if r['ratio'] >= want else '✗'}")
+        one = by.get(1, {}).get("parts")
+        scan = f"{one['dense_ms'] / one['matmuls_ms']:.2f}×" if one else "–"
+        sixty = by.get(64, {}).get("parts")
+        attn = pct(sixty["attention_kv_ms"] / sixty["step_ms"]) if sixty else "–"
+        rows.append([cpu_model(d), *cells, scan, attn, f"`{f}`"])
+    head = ["machine", *(f"batch {b} (≥ {w:g})" for b, w in ROLLOUT_TARGETS.items()),
+            "batch 1: dense part ÷ its matmuls in place", "batch 64: attention + KV of the step", "JSON"]
+    return ("Ratio to `generate()` on each machine this benchmark ran on (the same script, idle 2-core VMs):\n\n"
+            + table(head, "lrrrrrl", rows) + "\n\n" + footer(*files, who="each row's, as its JSON records it"))
 
 
 # ----------------------------------------------------------------------------------------------- PAT
@@ -450,7 +488,8 @@ _load_module("docs_lora", ROOT / "scripts" / "docs_lora.py").register(renders, l
 _load_module("docs_suite", ROOT / "scripts" / "docs_suite.py").register(renders, load, table, footer, machine)
 _load_module("docs_multiturn", ROOT / "scripts" / "docs_multiturn.py").register(renders, load, table, footer, spaced,
                                                                              lambda: RESULTS)
-_load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, load, table, footer, lambda: RESULTS)
+_load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, load, table, footer, lambda: RESULTS,
+                                                                    cpu_model)
 _load_module("docs_sim", ROOT / "scripts" / "docs_sim.py").register(renders, load, table, footer, machine, _load_module)
 
 # ------------------------------------------------------------------------------------------------ pages

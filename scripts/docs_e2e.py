@@ -13,8 +13,37 @@ TARGETS = {"3.2m": {"step_ratio": 0.5}, "58m": {"peak_fraction": 0.75}, "process
            "first_step_s": 20.0}     # the quickstart's first RL step, from its start on a cold cache
 
 
-def register(renders, load, table, footer, results_dir):
-    """`results_dir()`: scripts/docs.py's RESULTS at call time (tests point it elsewhere)."""
+def register(renders, load, table, footer, results_dir, cpu_model):
+    """`results_dir()`: scripts/docs.py's RESULTS at call time (tests point it elsewhere); `cpu_model(d)`: the CPU
+    a result's `machine` names, with its family and model."""
+
+    def machines(name: str, head: list[str], cells) -> str:
+        """One row per machine measured: `name` (the latest run, the table above) and every `<stem>_<machine>.json`
+        kept from runs on other CPUs; `cells(d)` gives a row's cells after the machine's."""
+        stem = name.removesuffix(".json")
+        files = sorted(f.name for f in results_dir().glob(f"{stem}*.json")
+                       if f.name == name or f.name.startswith(stem + "_"))
+        rows = [[cpu_model(load(f)), *cells(load(f)), f"`{f}`"] for f in files]
+        return ("On each machine this benchmark ran on (the same script; the table above is the first row's "
+                "latest run):\n\n" + table(["machine", *head, "JSON"], "l" + "r" * len(head) + "l", rows)
+                + "\n\n" + footer(*files, who="each row's, as its JSON records it"))
+
+    def e2e_cells(d):
+        ok = lambda good: "✓" if good else "✗"                               # noqa: E731
+        w3, w58 = d["workloads"].get("3.2m"), d["workloads"].get("58m")
+        cells = [f"{w3['step_ratio']:.2f} {ok(w3['step_ratio'] <= TARGETS['3.2m']['step_ratio'])}" if w3 else "–",
+                 f"{100 * w58['jaxrl']['peak_fraction']:.0f}% "
+                 f"{ok(w58['jaxrl']['peak_fraction'] >= TARGETS['58m']['peak_fraction'])}" if w58 else "–"]
+        cells += [" / ".join(f"{w['process_ratio_cold']:.2f}" for w in (w3, w58) if w)
+                  + f" {ok(all(w['process_ratio_cold'] <= TARGETS['process_ratio_cold'] for w in (w3, w58) if w))}",
+                  f"{d['peak']['gflops']:.0f}" if d.get("peak") else "–"]
+        return cells
+
+    def cold_cells(d):
+        m = d["summary"]["modes"]
+        first = m["background"]["first_step_s"]
+        return [f"{first:.1f} {'✓' if first <= TARGETS['first_step_s'] else '✗'}",
+                f"{m['blocking']['first_step_s']:.1f}", f"{m['background']['process_s']:.1f}"]
 
     @renders("e2e")
     def e2e() -> str:
@@ -53,7 +82,9 @@ def register(renders, load, table, footer, results_dir):
         return (table(["workload", "TRL step s (generate / rest)", "jaxrl step s (rollout / train)",
                        "jaxrl / TRL step", "response tokens, TRL / jaxrl", "of peak, TRL / jaxrl",
                        f"whole {h['steps']}-step run s: TRL / jaxrl cold / warm", "cold / TRL (≤ 1.0)"],
-                      "lrrrrrrr", rows) + "\n\n" + how + "\n\n" + footer(E2E))
+                      "lrrrrrrr", rows) + "\n\n" + how + "\n\n" + footer(E2E) + "\n\n"
+                + machines(E2E, ["3.2M step ÷ TRL's (≤ 0.5)", "58M of peak (≥ 75%)",
+                                 "cold whole run ÷ TRL's, 3.2M / 58M (≤ 1.0)", "peak GFLOP/s"], e2e_cells))
 
     @renders("e2e-summary")
     def e2e_summary() -> str:
@@ -107,7 +138,9 @@ def register(renders, load, table, footer, results_dir):
                f"{d['loadavg_before'][0]:.2f} / {d['loadavg_after'][0]:.2f}.")
         return (table(["warm-up", "first step s", "second step s", "warm-up executables", "step 0 blocking compiles",
                        "background compiles", "step 1 waits s", "later blocking compiles",
-                       f"whole {d['steps']}-step run s"], "lrrrrrrrr", rows) + "\n\n" + how + "\n\n" + footer(COLD))
+                       f"whole {d['steps']}-step run s"], "lrrrrrrrr", rows) + "\n\n" + how + "\n\n" + footer(COLD)
+                + "\n\n" + machines(COLD, [f"first step s (≤ {TARGETS['first_step_s']:.0f})",
+                                            "first step s, everything before step 0", "whole run s"], cold_cells))
 
     @renders("warm-start")
     def warm_start() -> str:

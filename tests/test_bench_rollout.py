@@ -67,6 +67,14 @@ def test_quick_run_writes_schema(tmp_path):
         assert p["weight_bytes"] == 4 * weights            # float32, every weight once
         assert p["dense_gb_s"] == pytest.approx(p["weight_bytes"] / p["dense_ms"] / 1e6, rel=1e-12)
         assert p["read_floor_ms"] == pytest.approx(p["weight_bytes"] / result["read_gb_s"] / 1e6, rel=1e-12)
+    wd = result["widths"]          # the largest batch's step by page-table width, the run's buckets among them
+    from jaxrl.rollout.shapes import ShapeBuckets
+    max_pages = -(-(st["prompt_len"] + st["new_tokens"]) // st["page_size"])
+    assert wd["batch"] == 4 and wd["buckets"] == list(ShapeBuckets.build(
+        max_batch=4, max_seq_len=st["prompt_len"] + st["new_tokens"], page_size=st["page_size"]).pages)
+    assert wd["buckets"][-1] == max_pages
+    assert sorted(map(int, wd["step_ms"])) == sorted(set(range(2, max_pages + 1, 2)) | set(wd["buckets"]))
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in wd["step_ms"].values())
     env = result["environment"]
     assert {"jax", "torch", "cpu_cores"} <= set(env)
     assert "gpu" in result and (result["gpu"] is not None or result["gpu_reason"])
