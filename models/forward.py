@@ -6,8 +6,7 @@ in `decoder_layer`, which `decoder_stack` scans. What differs between the train 
 the rollout's prefill/decode steps is only how a layer's queries meet keys and values, so each caller passes
 an `attend` hook: the train forward attends within the block (segment masks for packed rows), the block
 forward attends over [history; block], and `jaxrl.rollout.model_step` writes the paged KV cache and attends
-over it (its pages travel as the scan `carry`).
-Nothing is threaded through a mode string.
+over it (its pages travel as the scan `carry`). Nothing is threaded through a mode string.
 
 Rematerialisation (`remat`, see `REMAT_POLICIES`) wraps the scan body in `jax.checkpoint`:
   "none"   save every residual the backward needs (fastest, most memory: per layer, the attention

@@ -193,6 +193,35 @@ def _layer_loop(cfg, weights, b, put, kv, step, state, own_pools: bool = False):
     return run, make_args, bool((got == np.asarray(tok)[:len(b.tokens)]).all())
 
 
+def _greedy_batch(batch: int, width: int, context: int):
+    """A decode step's batch of `batch` greedy rows, each at `context` tokens over its own `width` pages
+    (pages 1.., page 0 the scratch one), as the scheduler would hand it to the engine."""
+    import numpy as np
+
+    from jaxrl.rollout.params import SamplingParams
+    from jaxrl.rollout.scheduler import DecodeBatch
+
+    greedy = [(SamplingParams(temperature=0.0), 0, 0)] * batch
+    return DecodeBatch([], np.ones(batch, np.int32), np.full(batch, context - 1, np.int32),
+                       np.full(batch, -1, np.int32),
+                       (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width), greedy)
+
+
+def _in_turn(parts: dict, steps: int, warm: int) -> dict:
+    """ms per call of each of `parts` (name -> (fn, make_args)): every round calls each part once, so drifts of
+    the machine hit all alike; the median of `steps` rounds after `warm` warm-up rounds."""
+    import jax
+
+    times = {name: [] for name in parts}
+    for _ in range(steps + warm):
+        for name, (fn, make_args) in parts.items():
+            args = make_args()
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(ts[warm:]) for name, ts in times.items()}
+
+
 def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device, steps: int = 20) -> dict:
     """ms per decode step at `batch` rows over `context` tokens, each part compiled as its own program and
     timed alone, the parts in turn (median of `steps` rounds after 3 warm-up rounds): the engine's step
@@ -210,9 +239,7 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
 
     from jaxrl.rollout import model_step
     from jaxrl.rollout.executor import decode_inputs
-    from jaxrl.rollout.params import SamplingParams
     from jaxrl.rollout.sampling import SamplingBatch, sample
-    from jaxrl.rollout.scheduler import DecodeBatch
     from models import decoder_stack, lm_head
 
     rep = NamedSharding(jax.sharding.Mesh(np.array([device]), ("tp",)), PartitionSpec())
@@ -221,9 +248,7 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
     width = -(-context // page_size)
     shape = (cfg.num_layers, batch * width + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
     k, v = put(jnp.zeros(shape, jnp.float32)), put(jnp.zeros(shape, jnp.float32))
-    greedy = [(SamplingParams(temperature=0.0), 0, 0)] * batch
-    b = DecodeBatch([], np.ones(batch, np.int32), np.full(batch, context - 1, np.int32), np.full(batch, -1, np.int32),
-                    (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width), greedy)
+    b = _greedy_batch(batch, width, context)
     prev = put(np.zeros(batch, np.int32))
 
     def dense(weights, tokens, positions):
@@ -265,17 +290,10 @@ def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device,
     *parts["layer_loop_own_pools_ms"], own_same = _layer_loop(cfg, weights, b, put, state["kv"], step, state,
                                                              own_pools=True)
     logits = put(jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32))
-    sb = SamplingBatch.build(greedy, batch)
+    sb = SamplingBatch.build(b.sampling, batch)
     sb = put(sb)
     parts["sampler_ms"] = (jax.jit(sample), lambda: (logits, sb))
-    times = {name: [] for name in parts}
-    for _ in range(steps + 3):        # interleaved: each round times every part once, so drifts hit all alike
-        for name, (fn, make_args) in parts.items():
-            args = make_args()
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - t0)
-    ms = {name: 1e3 * statistics.median(ts[3:]) for name, ts in times.items()}
+    ms = _in_turn(parts, steps, warm=3)
     step_ms, dense_ms, matmuls_ms, sampler_ms = ms["step_ms"], ms["dense_ms"], ms["matmuls_ms"], ms["sampler_ms"]
     layer_loop_ms, own_pools_ms = ms["layer_loop_ms"], ms["layer_loop_own_pools_ms"]
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
@@ -299,8 +317,6 @@ def decode_widths(cfg, weights, batch: int, max_seq_len: int, page_size: int, de
 
     from jaxrl.rollout import model_step
     from jaxrl.rollout.executor import decode_inputs
-    from jaxrl.rollout.params import SamplingParams
-    from jaxrl.rollout.scheduler import DecodeBatch
     from jaxrl.rollout.shapes import ShapeBuckets
 
     buckets = ShapeBuckets.build(max_batch=batch, max_seq_len=max_seq_len, page_size=page_size).pages
@@ -312,27 +328,17 @@ def decode_widths(cfg, weights, batch: int, max_seq_len: int, page_size: int, de
     state = {"kv": (put(jnp.zeros(shape, jnp.float32)), put(jnp.zeros(shape, jnp.float32)))}
     step = jax.jit(functools.partial(model_step.decode_step, cfg=cfg), donate_argnums=(1, 2))
     prev = put(np.zeros(batch, np.int32))
-    greedy = [(SamplingParams(temperature=0.0), 0, 0)] * batch
 
-    def runner(width):
-        b = DecodeBatch([], np.ones(batch, np.int32), np.full(batch, width * page_size - 1, np.int32),
-                        np.full(batch, -1, np.int32),
-                        (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width), greedy)
+    def run(b):                       # (the host's input packing timed with the step, as the engine runs it)
+        tok, _, *state["kv"] = step(*decode_inputs(w, *state["kv"], prev, b, put))
+        return tok
 
-        def run():
-            tok, _, *state["kv"] = step(*decode_inputs(w, *state["kv"], prev, b, put))
-            return tok
-        return run
+    def part(width):
+        b = _greedy_batch(batch, width, width * page_size)
+        return run, lambda: (b,)
 
-    runs = {width: runner(width) for width in widths}
-    times = {width: [] for width in widths}
-    for _ in range(steps + 2):
-        for width, run in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times[width].append(time.perf_counter() - t0)
     return {"batch": batch, "buckets": list(buckets),
-            "step_ms": {str(width): 1e3 * statistics.median(ts[2:]) for width, ts in times.items()}}
+            "step_ms": _in_turn({str(width): part(width) for width in widths}, steps, warm=2)}
 
 
 def bench_cpu(args) -> dict:

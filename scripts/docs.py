@@ -307,27 +307,33 @@ def cpu_model(d: dict) -> str:
     return m.get("cpu", "not recorded") + (f" (family {fam[1]} model {fam[2]})" if fam else "")
 
 
+def per_machine(name: str, head: list[str], cells, intro: str = "On each machine this benchmark ran on (the same "
+                "script; the table above is the first row's latest run)") -> str:
+    """A table with one row per machine a benchmark ran on: `name` (its latest run, e.g. bench_e2e.json) and
+    every `<stem>_<machine>.json` kept from runs on other CPUs; `cells(d)` gives a row's cells after the
+    machine's (`cpu_model`), the JSON's name last."""
+    stem = name.removesuffix(".json")
+    files = sorted(f.name for f in RESULTS.glob(f"{stem}*.json") if f.name == name or f.name.startswith(stem + "_"))
+    rows = [[cpu_model(load(f)), *cells(load(f)), f"`{f}`"] for f in files]
+    return (f"{intro}:\n\n" + table(["machine", *head, "JSON"], "l" + "r" * len(head) + "l", rows) + "\n\n"
+            + footer(*files, who="each row's, as its JSON records it"))
+
+
 def rollout_machines() -> str:
-    """Issue 37's decode targets on every machine measured: each `bench_rollout*.json` (the table above is
-    `bench_rollout.json`'s; the others are earlier runs on other CPUs, kept under the machine's name)."""
-    files = sorted(f.name for f in RESULTS.glob("bench_rollout*.json"))
-    rows = []
-    for f in files:
-        d = load(f)
+    """Issue 37's decode targets on every machine `bench_rollout.py` ran on."""
+    def cells(d):
         by = {r["batch"]: r for r in d["rows"]}
-        cells = []
-        for b, want in ROLLOUT_TARGETS.items():
-            r = by.get(b)
-            cells.append("–" if r is None else f"{r['ratio']:.2f} {'✓' if r['ratio'] >= want else '✗'}")
-        one = by.get(1, {}).get("parts")
-        scan = f"{one['dense_ms'] / one['matmuls_ms']:.2f}×" if one else "–"
-        sixty = by.get(64, {}).get("parts")
-        attn = pct(sixty["attention_kv_ms"] / sixty["step_ms"]) if sixty else "–"
-        rows.append([cpu_model(d), *cells, scan, attn, f"`{f}`"])
-    head = ["machine", *(f"batch {b} (≥ {w:g})" for b, w in ROLLOUT_TARGETS.items()),
-            "batch 1: dense part ÷ its matmuls in place", "batch 64: attention + KV of the step", "JSON"]
-    return ("Ratio to `generate()` on each machine this benchmark ran on (the same script, idle 2-core VMs):\n\n"
-            + table(head, "lrrrrrl", rows) + "\n\n" + footer(*files, who="each row's, as its JSON records it"))
+        out = ["–" if (r := by.get(b)) is None else f"{r['ratio']:.2f} {'✓' if r['ratio'] >= want else '✗'}"
+               for b, want in ROLLOUT_TARGETS.items()]
+        one, sixty = by.get(1, {}).get("parts"), by.get(64, {}).get("parts")
+        return out + [f"{one['dense_ms'] / one['matmuls_ms']:.2f}×" if one else "–",
+                      pct(sixty["attention_kv_ms"] / sixty["step_ms"]) if sixty else "–"]
+
+    return per_machine("bench_rollout.json",
+                       [*(f"batch {b} (≥ {w:g})" for b, w in ROLLOUT_TARGETS.items()),
+                        "batch 1: dense part ÷ its matmuls in place", "batch 64: attention + KV of the step"], cells,
+                       intro="Ratio to `generate()` on each machine this benchmark ran on (the same script, idle "
+                             "2-core VMs)")
 
 
 # ----------------------------------------------------------------------------------------------- PAT
@@ -489,7 +495,7 @@ _load_module("docs_suite", ROOT / "scripts" / "docs_suite.py").register(renders,
 _load_module("docs_multiturn", ROOT / "scripts" / "docs_multiturn.py").register(renders, load, table, footer, spaced,
                                                                              lambda: RESULTS)
 _load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, load, table, footer, lambda: RESULTS,
-                                                                    cpu_model)
+                                                                    per_machine)
 _load_module("docs_sim", ROOT / "scripts" / "docs_sim.py").register(renders, load, table, footer, machine, _load_module)
 
 # ------------------------------------------------------------------------------------------------ pages

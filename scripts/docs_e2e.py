@@ -13,20 +13,9 @@ TARGETS = {"3.2m": {"step_ratio": 0.5}, "58m": {"peak_fraction": 0.75}, "process
            "first_step_s": 20.0}     # the quickstart's first RL step, from its start on a cold cache
 
 
-def register(renders, load, table, footer, results_dir, cpu_model):
-    """`results_dir()`: scripts/docs.py's RESULTS at call time (tests point it elsewhere); `cpu_model(d)`: the CPU
-    a result's `machine` names, with its family and model."""
-
-    def machines(name: str, head: list[str], cells) -> str:
-        """One row per machine measured: `name` (the latest run, the table above) and every `<stem>_<machine>.json`
-        kept from runs on other CPUs; `cells(d)` gives a row's cells after the machine's."""
-        stem = name.removesuffix(".json")
-        files = sorted(f.name for f in results_dir().glob(f"{stem}*.json")
-                       if f.name == name or f.name.startswith(stem + "_"))
-        rows = [[cpu_model(load(f)), *cells(load(f)), f"`{f}`"] for f in files]
-        return ("On each machine this benchmark ran on (the same script; the table above is the first row's "
-                "latest run):\n\n" + table(["machine", *head, "JSON"], "l" + "r" * len(head) + "l", rows)
-                + "\n\n" + footer(*files, who="each row's, as its JSON records it"))
+def register(renders, load, table, footer, results_dir, machines):
+    """`results_dir()`: scripts/docs.py's RESULTS at call time (tests point it elsewhere); `machines`: its
+    `per_machine` (a table of the targets on every machine a benchmark ran on)."""
 
     def e2e_cells(d):
         ok = lambda good: "✓" if good else "✗"                               # noqa: E731
