@@ -319,12 +319,21 @@ _note_jax_cache_loads()
 
 
 def _jax_cache_bytes(executable) -> bytes | None:
-    """The bytes JAX's persistent cache deserialised `executable` from (None: compiled in this process)."""
+    """The bytes JAX's persistent cache deserialised `executable` from (None: compiled in this process).
+
+    The table is keyed by id() (an XLA executable takes no weak reference), so an entry can be stale: a freed
+    executable's id reused by another one. Every load from JAX's cache writes its id's entry anew, so an entry
+    whose fingerprint differs from the executable's is stale and the executable was compiled here: it is
+    serialised itself. An empty fingerprint (XLA:CPU gives a program without inputs none) tells nothing:
+    such a program under a noted id is not stored (compiled again next time)."""
     fingerprint, key = _FROM_JAX_CACHE.get(id(executable), (None, None))
     if key is None:
         return None
-    if not fingerprint or fingerprint != executable.fingerprint:    # (XLA:CPU gives a program without inputs none)
-        raise ValueError("cannot tell it from a program JAX's cache loaded")    # (an id reused: not stored)
+    if fingerprint != executable.fingerprint and executable.fingerprint:
+        _FROM_JAX_CACHE.pop(id(executable), None)                       # stale: compiled in this process
+        return None
+    if not fingerprint:
+        raise ValueError("cannot tell it from a program JAX's cache loaded")
     cache = compilation_cache._get_cache(executable.client)
     data = cache.get(key) if cache is not None else None
     if data is None:

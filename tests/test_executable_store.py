@@ -4,7 +4,6 @@ compiled, mapped onto its own devices), in a fresh in-memory cache (everything l
 a corrupted file (removed and compiled again), and in each process of a 2-process job loading what one process
 stored, also where it loaded them from JAX's persistent cache. The key: device-free, and every input, static argument and setting it must tell apart."""
 
-import contextlib
 import dataclasses
 import logging
 import shutil
@@ -66,41 +65,19 @@ def store(tmp_path, monkeypatch):
     CACHE.clear()
 
 
-@contextlib.contextmanager
-def _no_jax_cache_writes():
-    """JAX's persistent cache writes nothing: the store then meets only programs compiled here, never ones JAX's
-    cache loaded, whose bytes it keeps only when their fingerprint checks out (else not stored: compiled again
-    next time). The counts below assume every program stored; a clean-clone suite run once stored one fewer
-    (2 of 3 files, then 3 compiled again instead of 2), cause not found: forcing every program into JAX's cache
-    (minimum compile time 0) did not reproduce it. That path has its own test (the 2-process one)."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
-@pytest.fixture
-def no_jax_cache_writes():
-    with _no_jax_cache_writes():
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference(weights, prompts):
     """The same generation compiled as before the store (no file read or written)."""
     CACHE.clear()
     CACHE.use_store = False
     try:
-        with _no_jax_cache_writes():
-            return _run(weights, prompts)
+        return _run(weights, prompts)
     finally:
         CACHE.use_store = True
         CACHE.clear()
 
 
-def test_loaded_executables_give_the_compiled_bits(weights, prompts, reference, no_jax_cache_writes, store):
+def test_loaded_executables_give_the_compiled_bits(weights, prompts, reference, store):
     before = (CACHE.compiles, CACHE.loads)
     assert _run(weights, prompts) == reference
     built, loaded = CACHE.compiles - before[0], CACHE.loads - before[1]
@@ -115,7 +92,7 @@ def test_loaded_executables_give_the_compiled_bits(weights, prompts, reference, 
     assert sorted(store.directory.glob("*.exe")) == files
 
 
-def test_a_corrupted_file_is_removed_and_compiled_again(weights, prompts, reference, no_jax_cache_writes, store,
+def test_a_corrupted_file_is_removed_and_compiled_again(weights, prompts, reference, store,
                                                         caplog):
     _run(weights, prompts)
     files = sorted(store.directory.glob("*.exe"))
@@ -137,7 +114,9 @@ def test_a_corrupted_file_is_removed_and_compiled_again(weights, prompts, refere
 def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(tmp_path):
     """The bytes of an executable JAX's cache loaded are found by the object's id, checked by its fingerprint; XLA:CPU
     gives a program without inputs an empty one, so an id reused by such a program (seen: a stale entry's
-    28-output program stored for a 19-output one) is not stored; a fresh program with a fingerprint is."""
+    28-output program stored for a 19-output one) is not stored; a fresh program with a fingerprint is, also under
+    a stale entry (its fingerprint tells it apart: a clean-clone suite run once kept one of the rollout's programs
+    from the store that way, and the count checks above failed)."""
     from jaxrl import executable_store
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
@@ -153,6 +132,14 @@ def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(
     finally:
         table.pop(id(no_inputs.runtime_executable()), None)
     assert entry.save(no_inputs) is True                        # unknown to JAX's cache: serialised itself
+    # a stale entry (a freed program's id reused) under a program with a fingerprint: compiled here, stored
+    sin = jax.jit(model_step._logits.__globals__["jnp"].sin).lower(x).compile()
+    table[id(sin.runtime_executable())] = (b"another program's fingerprint", "a key of another program")
+    try:
+        assert entry.save(sin) is True and id(sin.runtime_executable()) not in table
+    finally:
+        table.pop(id(sin.runtime_executable()), None)
+    np.testing.assert_array_equal(entry.load()(x), sin(x))                    # loads, the same bits
 
 
 def _decode_args(weights, devices, pages=4, rows=2, truncate=False):
