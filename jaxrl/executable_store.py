@@ -329,11 +329,11 @@ def _jax_cache_bytes(executable) -> bytes | None:
     fingerprint, key = _FROM_JAX_CACHE.get(id(executable), (None, None))
     if key is None:
         return None
-    if fingerprint != executable.fingerprint and executable.fingerprint:
+    if not executable.fingerprint:                   # (whatever the entry says: another program's bytes, or its own)
+        raise ValueError("cannot tell it from a program JAX's cache loaded")
+    if fingerprint != executable.fingerprint:
         _FROM_JAX_CACHE.pop(id(executable), None)                       # stale: compiled in this process
         return None
-    if not fingerprint:
-        raise ValueError("cannot tell it from a program JAX's cache loaded")
     cache = compilation_cache._get_cache(executable.client)
     data = cache.get(key) if cache is not None else None
     if data is None:

@@ -115,8 +115,9 @@ def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(
     """The bytes of an executable JAX's cache loaded are found by the object's id, checked by its fingerprint; XLA:CPU
     gives a program without inputs an empty one, so an id reused by such a program (seen: a stale entry's
     28-output program stored for a 19-output one) is not stored; a fresh program with a fingerprint is, also under
-    a stale entry (its fingerprint tells it apart: a clean-clone suite run once kept one of the rollout's programs
-    from the store that way, and the count checks above failed)."""
+    a stale entry (its fingerprint tells it apart: two clean-clone suite runs kept one of the rollout's programs
+    from the store that way, and the count checks above failed). A program without a fingerprint under a stale
+    entry is not stored either (given the stale entry's bytes, the blockwise backward's `_zero_acc` crashed)."""
     from jaxrl import executable_store
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
@@ -126,11 +127,14 @@ def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(
     store = ExecutableStore(tmp_path)
     entry = store.entry("decode", model_step.decode_step, (x,), {"cfg": CFG, "impl": "xla"})
     table = executable_store._FROM_JAX_CACHE
-    table[id(no_inputs.runtime_executable())] = (b"", "a key of another program")
-    try:
-        assert entry.save(no_inputs) is False and not list(tmp_path.glob("*.exe"))
-    finally:
-        table.pop(id(no_inputs.runtime_executable()), None)
+    for noted in (b"", b"another program's fingerprint"):       # its own entry, or a stale one: cannot tell
+        table[id(no_inputs.runtime_executable())] = (noted, "a key of another program")
+        try:
+            with pytest.raises(ValueError, match="cannot tell"):
+                executable_store._jax_cache_bytes(no_inputs.runtime_executable())
+            assert entry.save(no_inputs) is False and not list(tmp_path.glob("*.exe"))
+        finally:
+            table.pop(id(no_inputs.runtime_executable()), None)
     assert entry.save(no_inputs) is True                        # unknown to JAX's cache: serialised itself
     # a stale entry (a freed program's id reused) under a program with a fingerprint: compiled here, stored
     sin = jax.jit(model_step._logits.__globals__["jnp"].sin).lower(x).compile()
