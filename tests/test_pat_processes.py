@@ -165,7 +165,7 @@ def test_two_process_train_run_agrees_on_every_switch(tmp_path):
 
 
 def test_committed_forcing_profile_is_current(tmp_path):
-    """tests/golden/pat_forcing_large.json (the profile `test_processes_equal_one[pat_kv_four]` names by path)
+    """tests/golden/pat_forcing_large.json (the profile `test_processes_equal_one[pat_kv_two]` names by path)
     is `forcing_profile("large")` as saved today."""
     import json
 

@@ -2,7 +2,7 @@
 each process stages its own instances' K/V and gathers its own rows of every micro-batch
 (`jaxrl.train.rollout_kv`). `trainer.repartition=tokens` (samples moved between processes, their K/V not) is
 refused here. N processes == 1 process is tested in tests/test_train_processes.py's `test_processes_equal_one`:
-`pat_kv_four` (4 processes, the update's micro-batches, K/V migrated by PAT's switch) and `stream_kv_two`
+`pat_kv_two` (2 processes, the update's micro-batches, K/V migrated by PAT's switch) and `stream_kv_two`
 (2 processes, the stream trainer's micro-batches, warmed up: nothing compiles after step 0)."""
 
 import pytest

@@ -37,9 +37,9 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     gradients there; the early sums meet over processes at the update. stream_kv_two: the same on 2 processes
     with the blockwise backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's
     freed devices), the 2 processes warmed up: nothing compiles after step 0.
-    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments. pat_kv_four:
-    PAT on 4 processes, every process switching its own pool at the same decode step on one agreed decision (the
-    4 decision records equal), with the blockwise backward on the rollout's K/V the switch migrated."""
+    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments. pat_kv_two:
+    PAT on 2 processes, every process switching its own pool at the same decode step on one agreed decision (the
+    2 decision records equal), with the blockwise backward on the rollout's K/V the switch migrated."""
     extra, procs, devices = MODES[mode]
     # The two layouts pack sequences into rows differently, so gradient sums differ in float rounding
     # (~1e-9 relative). Adam with eps=1e-8 turns near-zero gradients into ~lr-sized steps (m/sqrt(v) is

@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=8", "algo.group_size=4",
         "rollout.max_new_tokens=12", "data.num_examples=400", "rewards.num_workers=0", "engine.max_batch=32",
         "engine.max_seq_len=128", "data.max_prompt_len=96",
-        "trainer.warmup=false"]   # 1-3 step runs use few shapes; the quickstart test covers the warm-up
+        "trainer.warmup=false",   # 1-3 step runs use few shapes; the quickstart test covers the warm-up
+        # one decode batch bucket per doubling and one page-table width: fewer programs to build (tokens depend
+        # on neither; padding rows cost a tiny model little next to a compilation)
+        "engine.batch_buckets_per_octave=1", "engine.page_buckets=1"]
 PARAM_ATOL_F32 = 1e-5
 # a float32 metric that is 0 in exact arithmetic (the KL to a reference equal to the policy, step 0's gradient
 # with every advantage 0) but is computed by two programs that may round apart: rounding noise measured 0-6e-9
@@ -288,8 +291,8 @@ STREAM = ["trainer.stream.enabled=true", "trainer.micro_batch_tokens=256", "algo
 # Multi-turn at the tiny size: Echo answers every 3-token turn until max_turns (3) (a random policy would call no
 # tool, so the tools environment would end each trajectory at its first turn).
 ECHO_TURNS = ["rollout.env=jaxrl.envs._testing:Echo", "rollout.turns.turn_max_tokens=3", "rollout.max_new_tokens=32"]
-# PAT on 4 processes (each pool tp1x2 -> tp2x1 at the first check, one decision agreed by all; the 1-process pool
-# tp1x8 -> tp2x4) with MetroRLHF's blockwise backward on the rollout's K/V (each process stages its own
+# PAT on 2 processes (each pool tp1x2 -> tp2x1 at the first check, one decision agreed by both; the 1-process pool
+# tp1x4 -> tp2x2) with MetroRLHF's blockwise backward on the rollout's K/V (each process stages its own
 # sequences' K/V, migrated by the switch), on the forcing profile (tests/pat_profiles.py; no device count, so
 # one file serves both pool sizes) and a dense reward (the tiny policy's 0/1 rewards are ~all 0).
 PAT_PROFILE = ROOT / "tests" / "golden" / "pat_forcing_large.json"
@@ -300,7 +303,8 @@ PAT_KV = ["engine.tp=1", "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp
 # (extra settings, N processes, devices in all: an fsdp mesh over all of them and one TP1 instance per device).
 # 4 devices where each process needs at most 2 (a 4-device run costs ~2/3 of an 8-device one's CPU: each fake
 # device is a thread that every collective waits for); 8 where each of 4 processes needs 2 (the stream trainer
-# frees half of its process's instances, PAT switches its process's pool from TP1 to TP2). The stream trainer on 2
+# frees half of its process's instances). PAT runs on 2 processes, not 4 (80 CPU-s with its 1-process twin on 8
+# devices): the agreement is the same exchange over processes, which four_balanced and stream_four run on 4. The stream trainer on 2
 # processes with the full backward is not a mode of its own: stream_four makes its assertions on 4 processes,
 # stream_kv_two on 2 (each N-process run with its 1-process twin costs ~50 CPU-s).
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4, 4),
@@ -309,7 +313,7 @@ MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=
          "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48",
                                      "trainer.kv_source=rollout"], 2, 4),
          "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2, 4),
-         "pat_kv_four": (PAT_KV, 4, 8)}
+         "pat_kv_two": (PAT_KV, 2, 4)}
 COMMON = ["steps=2", "save_every=null", "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "critic.optim.eps=1e-3"]
 PPO_DEVICES = MODES["ppo_two_balanced"][2]
 _ONE_PROCESS_RUNS = {}
