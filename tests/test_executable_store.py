@@ -40,11 +40,17 @@ def prompts():
 
 
 class Traces:
-    """The functions named `names` JAX traced since this was made."""
+    """The functions named `names` JAX traced inside this context (the listener is removed on leaving it)."""
 
     def __init__(self, names=("decode_step", "prefill_step")):
         self.names, self.watched = [], names
+
+    def __enter__(self):
         monitoring.register_event_duration_secs_listener(self._on)
+        return self
+
+    def __exit__(self, *exc):
+        monitoring.unregister_event_duration_listener(self._on)
 
     def _on(self, event, duration, fun_name="?", **_):
         if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name in self.watched:
@@ -85,8 +91,9 @@ def test_loaded_executables_give_the_compiled_bits(weights, prompts, reference, 
     # instance 1 (devices 2-3) loads each program instance 0 (devices 0-1) compiled and stored
     assert loaded > 0 and len(files) == built - loaded
     CACHE.clear()                                  # a fresh process's view: nothing in memory
-    traces, before = Traces(), (CACHE.compiles, CACHE.loads)
-    assert _run(weights, prompts) == reference
+    before = (CACHE.compiles, CACHE.loads)
+    with Traces() as traces:
+        assert _run(weights, prompts) == reference
     assert CACHE.compiles - before[0] == CACHE.loads - before[1] == built
     assert traces.names == []                       # loaded without tracing (nor lowering)
     assert sorted(store.directory.glob("*.exe")) == files
@@ -261,8 +268,9 @@ def test_the_train_update_from_stored_executables_is_bitwise_the_compiled_one(st
     want = _train_update(ExecutableCache(use_store=False), blockwise)
     first = ExecutableCache()
     assert _train_update(first, blockwise) == want
-    again, traces = ExecutableCache(), Traces(("_grads", "_update", "block_step"))
-    assert _train_update(again, blockwise) == want
+    again = ExecutableCache()
+    with Traces(("_grads", "_update", "block_step")) as traces:
+        assert _train_update(again, blockwise) == want
     assert first.loads == 0 and first.compiles == again.compiles > 0 and traces.names == []
     # every stored executable loaded, the gradient, update and block steps among them (none traced); a program
     # without inputs that JAX's cache loaded is not stored (no fingerprint: the test above)
