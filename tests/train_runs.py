@@ -304,9 +304,9 @@ PAT_KV = ["engine.tp=1", "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp
 # 4 devices where each process needs at most 2 (a 4-device run costs ~2/3 of an 8-device one's CPU: each fake
 # device is a thread that every collective waits for); 8 where each of 4 processes needs 2 (the stream trainer
 # frees half of its process's instances). PAT runs on 2 processes, not 4 (80 CPU-s with its 1-process twin on 8
-# devices): the agreement is the same exchange over processes, which four_balanced and stream_four run on 4. The stream trainer on 2
-# processes with the full backward is not a mode of its own: stream_four makes its assertions on 4 processes,
-# stream_kv_two on 2 (each N-process run with its 1-process twin costs ~50 CPU-s).
+# devices): the agreement is the same exchange over processes, which four_balanced and stream_four run on 4.
+# The stream trainer on 2 processes with the full backward is not a mode of its own: stream_four makes its
+# assertions on 4 processes, stream_kv_two on 2 (each N-process run with its 1-process twin costs ~50 CPU-s).
 MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4, 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2, 4),
          "stream_four": (STREAM, 4, 8),
