@@ -15,10 +15,12 @@ devices' kind, JAX's config values that can change a program (and this thread's 
 and on the CPU the processor's feature flags. A hit is a file read and a deserialisation (about 5 ms).
 
 The key holds no device: one file serves every device group of the same mesh shape (a TP1 rollout instance per
-device, the processes of a multi-process run, each on its own devices). The executable is serialised with its
-devices' ids, which a load maps, position by position in the mesh, onto the devices of the mesh it is loaded
-for, with XLA's device assignment rebuilt for them (as JAX's persistent cache does with the CPU keys
-`jaxrl.runtime` makes device-free). Only meshes whose devices this process addresses are stored.
+device, the processes of a multi-process run, each on its own devices) and every mesh of that shape over
+several processes' devices (a multi-process run's train layout: each process loads the SPMD program, the
+1-process run's too). The executable is serialised with its devices' ids, which a load maps, position by
+position in the mesh, onto the devices of the mesh it is loaded for, with XLA's device assignment rebuilt for
+them (as JAX's persistent cache does with the CPU keys `jaxrl.runtime` makes device- and process-free). One
+process at a time builds a missing entry (`Entry.load_or_build`); the others wait for it and load it.
 
 `ExecutableStore.default()` is the store under the persistent cache's directory (`executables/`), when that
 cache is on and local; JAXRL_EXECUTABLE_STORE=0 turns the store off alone. `jaxrl.rollout.executor`'s
@@ -53,6 +55,8 @@ from jax._src import compilation_cache, compiler, config, monitoring
 from jax._src.lib import xla_client as xc
 from jax.experimental import serialize_executable
 from jax.sharding import NamedSharding
+
+from jaxrl import runtime
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +156,7 @@ def _mesh_and_signature(args):
         sig.append(f"{x.shape}{x.dtype}{spec}{sh.memory_kind}")
     if mesh is None:
         raise NotStorable("no device inputs")
-    devices = list(mesh.devices.flat)
-    if any(d.process_index != jax.process_index() for d in devices):
-        raise NotStorable("a mesh with another process's devices")
+    devices = list(mesh.devices.flat)            # (a mesh over several processes' devices too: see the docstring)
     layout = f"{tuple(mesh.shape.items())}{mesh.axis_types}"
     return devices, mesh, f"{treedef}|{layout}|{';'.join(sig)}"
 
@@ -238,6 +240,24 @@ class Entry:
         monitoring.record_event_duration_secs(_COMPILE, time.perf_counter() - start, fun_name=f"jit({self.label})")
         return compiled
 
+    def load_or_build(self, build):
+        """(the stored executable, True), or (`build()`, False), saved. One process at a time builds an entry
+        (`jaxrl.runtime.build_once`: a lock file per entry, `locks/<file name>`): the processes of a
+        multi-process run miss on the same programs at the same moment, and the others wait and load it
+        instead of tracing and lowering it too."""
+        exe = self.load()
+        if exe is not None:
+            return exe, True
+        built = []
+
+        def build_and_save():
+            built.append(build())
+            self.save(built[0])
+            return built[0]
+
+        exe = runtime.build_once(self.store.directory / "locks" / self.path.name, self.load, build_and_save)
+        return exe, not built
+
     def _discard(self, path: Path, error: Exception):
         log.warning("executable store: %s unreadable (%s: %s); removed, compiling instead", path,
                     type(error).__name__, error)
@@ -250,7 +270,7 @@ class Entry:
         serialise a deserialised executable again (the copy fails at run time: "Function ... not found")."""
         ids = [d.id for d in self.devices]
         try:
-            if [d.id for d in compiled.runtime_executable().local_devices()] != ids:
+            if [d.id for d in _assigned_devices(compiled)] != ids:
                 return False                      # assigned in another order than the mesh's: not remapped here
             payload, in_tree, out_tree = _serialize(compiled, _jax_cache_bytes(compiled.runtime_executable()))
         except (ValueError, NotImplementedError, AttributeError) as e:   # e.g. host callbacks, constants
@@ -269,6 +289,14 @@ class Entry:
             Path(tmp).unlink(missing_ok=True)
             raise
         return True
+
+
+def _assigned_devices(compiled) -> list:
+    """The executable's device assignment, every process's devices (the XLA executable lists its own only)."""
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if unloaded is None:
+        raise ValueError("not serialisable")
+    return list(unloaded.device_list)
 
 
 class _Pickler(serialize_executable._JaxPjrtPickler):

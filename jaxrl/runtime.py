@@ -73,11 +73,9 @@ LOCK_WAIT_S = 1800.0        # a holder that takes longer than this (or died on a
 
 def _compile_once() -> None:
     """Wrap JAX's compile-and-write-cache step (called on a persistent-cache miss) with a lock file per
-    cache key in the cache directory (`locks/KEY`, holding "host pid"). The process that creates it
-    compiles, writes the cache entry and removes it; a process that finds it waits until it is gone (or its
-    holder, on this host, is dead), then reads the entry and compiles only if there is none (a program
-    faster to compile than the cache's minimum is not written). A waiter holds no lock, and a holder waits
-    for nothing while it compiles, so processes cannot deadlock on each other's locks."""
+    cache key in the cache directory (`locks/KEY`, `build_once`): the process that creates it compiles and
+    writes the cache entry; the others wait for it and load the entry, compiling only if there is none (a
+    program faster to compile than the cache's minimum is not written)."""
     if getattr(compiler._compile_and_write_cache, "_jaxrl_once", False):
         return
     compile_and_write = compiler._compile_and_write_cache
@@ -87,27 +85,16 @@ def _compile_once() -> None:
         directory = jax.config.jax_compilation_cache_dir
         if not directory or "://" in directory:          # (a remote cache: no lock files)
             return compile_and_write(*args)
-        locks = Path(directory) / "locks"
-        locks.mkdir(exist_ok=True)
-        lock, deadline = locks / cache_key, time.monotonic() + LOCK_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                _wait_for(lock, deadline)
-                executable, _ = compiler._cache_read(module_name, cache_key, compile_options, backend,
-                                                     executable_devices)
-                if executable is not None:
-                    monitoring.record_event("/jax/compilation_cache/cache_hits")
-                    return executable
-                continue                                 # not written: take the lock and compile here
-            try:
-                os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
-                os.close(fd)
-                return _compile_and_write_any_process(compile_and_write, *args)
-            finally:
-                lock.unlink(missing_ok=True)
-        return compile_and_write(*args)
+
+        def read():
+            executable, _ = compiler._cache_read(module_name, cache_key, compile_options, backend,
+                                                 executable_devices)
+            if executable is not None:
+                monitoring.record_event("/jax/compilation_cache/cache_hits")
+            return executable
+
+        return build_once(Path(directory) / "locks" / cache_key, read,
+                          lambda: _compile_and_write_any_process(compile_and_write, *args))
 
     once._jaxrl_once = True
     compiler._compile_and_write_cache = once
@@ -126,6 +113,32 @@ def _compile_and_write_any_process(compile_and_write, backend, computation, exec
             and seconds >= jax.config.jax_persistent_cache_min_compile_time_secs):
         compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend, int(seconds))
     return executable
+
+
+def build_once(lock: Path, read, build):
+    """`build()` in the process that creates the lock file `lock` (holding "host pid"; removed after), `read()`
+    in one that finds it, once it is gone (or its holder, on this host, is dead); a reader that reads nothing
+    (None: the holder wrote nothing) takes the lock and builds. A waiter holds no lock and a holder waits for
+    nothing while it builds, so processes cannot deadlock on each other's locks. Shared by JAX's persistent
+    cache (`_compile_once`) and `jaxrl.executable_store`'s."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            _wait_for(lock, deadline)
+            found = read()
+            if found is not None:
+                return found
+            continue                                 # nothing written: take the lock and build here
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+            os.close(fd)
+            return build()
+        finally:
+            lock.unlink(missing_ok=True)
+    return build()
 
 
 def _wait_for(lock: Path, deadline: float) -> None:

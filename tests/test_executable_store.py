@@ -223,9 +223,12 @@ def test_the_train_side_keys(weights, tmp_path):
     assert path(kv, sharding=NamedSharding(other, PartitionSpec("tp"))) is None        # off the inputs' mesh
 
 
-def _train_update(cache, blockwise: bool):
-    """One RL update (full or blockwise backward) of a tiny model on an FSDP2 x TP2 mesh through `cache`: the
-    params, optimizer state and metrics as host arrays."""
+def _train_update(cache, blockwise: bool, devices=None):
+    """One RL update (full or blockwise backward) of a tiny model on an FSDP2 x TP2 mesh (over `devices`, by
+    default the first 4; several processes' devices too, each process packing the same samples) through
+    `cache`: the params, optimizer state and metrics as host bytes."""
+    from jax.experimental.multihost_utils import process_allgather
+
     from jaxrl.config.loading import from_yaml_file
     from jaxrl.config.train import TrainConfig
     from jaxrl.train import rl
@@ -240,7 +243,7 @@ def _train_update(cache, blockwise: bool):
     cfg = from_yaml_file(TrainConfig, "configs/quickstart.yaml")
     mcfg = dataclasses.replace(PRESETS["tiny-char"], num_layers=2, hidden_size=64, intermediate_size=128)
     layout = Layout(fsdp=2, tp=2)
-    mesh = layout.make_mesh(jax.devices()[:4])
+    mesh = layout.make_mesh(devices or jax.devices()[:4])
     sh = shardings_for(logical_axes(mcfg), mesh, ShardingRules.train(mcfg, layout))
     spec = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer)
     tx, _ = make_optimizer(cfg.optim, 10)
@@ -253,7 +256,7 @@ def _train_update(cache, blockwise: bool):
     mbs = rl.micro_batches(batch, cfg, mesh, pack_len, cfg.rollout.max_new_tokens, rl.micro_batch_rows(cfg, mesh, pack_len))
     p = init(jax.random.key(0), mcfg, shardings=sh)
     p, o, m = upd.update(p, init_state(tx, p, sh, mesh), mbs)
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves((p, o, m))]
+    return [np.asarray(process_allgather(x, tiled=True)).tobytes() for x in jax.tree.leaves((p, o, m))]
 
 
 @pytest.mark.parametrize("blockwise", [False, True], ids=["full", "blockwise"])
@@ -277,7 +280,7 @@ def test_the_train_update_from_stored_executables_is_bitwise_the_compiled_one(st
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys
+    import hashlib, os, sys
     import jax, numpy as np
     n = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
     jax.config.update("jax_num_cpu_devices", 4)
@@ -289,13 +292,18 @@ SCRIPT = textwrap.dedent("""
     from jaxrl.rollout import SamplingParams, generate
     from jaxrl.rollout.executor import CACHE
     from models import PRESETS, init
+    from tests.test_executable_store import Traces, _train_update
     cfg = PRESETS["tiny-qwen3"]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, k).tolist() for k in (3, 9, 16, 5)]
-    outs = generate(cfg, init(jax.random.key(0), cfg), prompts,
-                    SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=3), tp=2, instances=2,
-                    page_size=8, num_pages=64, devices=jax.local_devices())
-    print("OUT", CACHE.compiles, CACHE.loads, min(d.id for d in jax.local_devices()),
+    with Traces(("decode_step", "prefill_step", "_grads", "_update")) as traces:
+        outs = generate(cfg, init(jax.random.key(0), cfg), prompts,
+                        SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=3), tp=2, instances=2,
+                        page_size=8, num_pages=64, devices=jax.local_devices())
+        # the train update on an FSDP2 x TP2 mesh over every process's first 4 / n devices
+        mesh = [d for p in range(n) for d in [x for x in jax.devices() if x.process_index == p][:4 // n]]
+        train = hashlib.sha256(b"".join(_train_update(CACHE, False, mesh))).hexdigest()
+    print("OUT", CACHE.compiles, CACHE.loads, min(d.id for d in jax.local_devices()), len(traces.names), train,
           [o.tokens for o in outs], [np.asarray(o.logprobs).tobytes().hex() for o in outs])
 """)
 
@@ -306,23 +314,26 @@ def _python(cache, processes=1):
         cmd = [str(ROOT / "scripts" / "launch_local.sh"), str(processes), *cmd]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [line.split("OUT ", 1)[1] for line in p.stdout.splitlines() if "OUT " in line]
+    return [line.split("OUT ", 1)[1].split(" ", 5) for line in p.stdout.splitlines() if "OUT " in line]
 
 
 @pytest.mark.processes
-def test_each_process_of_a_two_process_job_loads_what_one_process_stored(tmp_path):
-    """One process compiles and stores; with the store emptied, another loads the programs from JAX's
-    persistent cache and stores them from that cache's bytes (XLA:CPU cannot serialise a loaded executable
-    again); then each process of a 2-process job loads every program from the store onto its own devices."""
-    [one] = _python(tmp_path / "xla")
-    compiles, loads, first, rest = one.split(" ", 3)
-    assert int(loads) > 0                        # instance 1 loaded instance 0's programs
+def test_programs_are_built_once_and_loaded_by_any_process_count(tmp_path):
+    """A 2-process job builds each program once: the rollout's on each process's own devices and the train
+    update's on a mesh over both processes' devices (one process traces and compiles it, the other waits and
+    loads it). With the store emptied, a 1-process job loads the programs from JAX's persistent cache and
+    stores them from that cache's bytes (XLA:CPU cannot serialise a loaded executable again); then each
+    process of a 2-process job loads every program from the store, the train update's SPMD program the
+    1-process job stored too, nothing traced, and gets the bits the first job computed."""
+    first = _python(tmp_path / "xla", processes=2)
+    assert len(first) == 2 and first[0][4:] == first[1][4:]            # the same tokens, one global update
+    stored = len(list((tmp_path / "xla" / "executables").glob("*.exe")))
+    assert first[0][0] == first[1][0] and sum(int(c) - int(ld) for c, ld, *_ in first) == stored >= 4   # built once
     shutil.rmtree(tmp_path / "xla" / "executables")
-    [again] = _python(tmp_path / "xla")
-    assert again == one
-    two = _python(tmp_path / "xla", processes=2)
-    ids = sorted(int(t.split(" ", 3)[2]) for t in two)
-    assert len(two) == 2 and ids[0] == 0 < ids[1]          # each on its own devices (process 1's: ids 2048...)
-    for t in two:                                # everything loaded, onto other device ids, the same bits
-        c, ld, _, out = t.split(" ", 3)
-        assert c == ld == compiles and out == rest
+    [one] = _python(tmp_path / "xla")
+    assert int(one[1]) > 0 and one[5] == first[0][5]             # (the rollout: the same bits in 1 process)
+    again = _python(tmp_path / "xla", processes=2)
+    ids = sorted(int(a[2]) for a in again)
+    assert len(again) == 2 and ids[0] == 0 < ids[1]          # each on its own devices (process 1's: ids 2048...)
+    for a, f in zip(again, first):             # everything loaded (nothing traced), onto other devices, the same bits
+        assert a[0] == a[1] == f[0] and a[3] == "0" and a[4:] == f[4:]

@@ -122,12 +122,8 @@ class ExecutableCache:
             t = time.perf_counter()
             store = ExecutableStore.default() if self.use_store else None
             entry = store and store.entry(name, fn, args, static)
-            exe = entry and entry.load()
-            loaded = exe is not None
-            if not loaded:
-                exe = fn.lower(*args, **static).compile()
-                if entry:
-                    entry.save(exe)
+            build = lambda: fn.lower(*args, **static).compile()          # noqa: E731
+            exe, loaded = entry.load_or_build(build) if entry else (build(), False)
             with self._lock:
                 self.compile_s += time.perf_counter() - t
                 self.compiles += 1
