@@ -38,7 +38,7 @@ def test_run_dir_contents(tmp_path):
     the same final weights bit for bit; on any other, the first record's counts, rewards and lengths exactly
     and its float metrics within CROSS_CPU_RTOL."""
     _train(tmp_path, "steps=2", "save_every=1", "profile_steps=1:2", "algo.kl_coef=0.05",   # + reference policy
-           env=GOLDEN_OPT)                                                              # (the golden's settings)
+           "curves=true", env=GOLDEN_OPT)                                                # (the golden's settings)
     rows = _metrics(tmp_path)
     golden = json.loads((ROOT / "tests" / "golden" / "flow_default.json").read_text())
     digest = hashlib.sha256(b"".join(a.tobytes() for a in _params(tmp_path))).hexdigest()
@@ -64,6 +64,7 @@ def test_run_dir_contents(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert list((tmp_path / "tb" / "plugins" / "profile").rglob("*.xplane.pb"))
     assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "config.yaml").exists()
+    assert (tmp_path / "curves.png").stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["0", "1", "2"]
 
 
@@ -99,6 +100,7 @@ def test_custom_graph_node_by_import_path(tmp_path):
     row = _metrics(tmp_path / "run")[0]
     assert (row["flow/samples"], row["my/kept_groups"]) == (4, 1)
     assert row["reward/items"] == 32
+    assert not (tmp_path / "run" / "curves.png").exists()           # (TINY's curves=false)
 
 # One decode batch bucket per doubling and one page-table width (as tests/train_runs.TINY): tokens depend on
 # neither, and the warm-up builds fewer programs. The default buckets' warm-up is run by test_bench_cold_start.py

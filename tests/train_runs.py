@@ -31,7 +31,9 @@ TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=
         "trainer.warmup=false",   # 1-3 step runs use few shapes; the quickstart test covers the warm-up
         # one decode batch bucket per doubling and one page-table width: fewer programs to build (tokens depend
         # on neither; padding rows cost a tiny model little next to a compilation)
-        "engine.batch_buckets_per_octave=1", "engine.page_buckets=1"]
+        "engine.batch_buckets_per_octave=1", "engine.page_buckets=1",
+        "curves=false"]    # no curves.png: matplotlib's import and a draw are ~0.7 CPU-s of a ~4 s run (the
+                           # run-dir test and the user-path test draw it)
 PARAM_ATOL_F32 = 1e-5
 # a float32 metric that is 0 in exact arithmetic (the KL to a reference equal to the policy, step 0's gradient
 # with every advantage 0) but is computed by two programs that may round apart: rounding noise measured 0-6e-9

@@ -268,6 +268,7 @@ class TrainConfig(Section):
     save_every: int | None = 10          # None = only at the end
     keep_checkpoints: int = 3            # newest checkpoints kept
     export_hf: bool = True               # write run_dir/hf (HF checkpoint with tokenizer) at the end
+    curves: bool = True                  # draw run_dir/curves.png at the end (matplotlib: ~0.7 s a run)
     pack_len: int | None = None          # None = max_prompt_len + max_new_tokens (rounded up to 32)
     profile_steps: tuple[int, int] | None = None   # [start, stop]: jax.profiler trace of RL steps start..stop-1
 

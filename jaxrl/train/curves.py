@@ -93,16 +93,17 @@ def _plot(ax, steps, vals, few: bool, **kw) -> bool:
 
 def plot(rows: list[dict], out: Path, title: str) -> Path:
     # (matplotlib imported here: ~0.8 s that a process which draws nothing, e.g. a multi-process run's other
-    # processes, does not pay)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # processes, does not pay. A Figure of its own, not pyplot's: no pyplot import or global figure state, and
+    # fixed margins instead of tight_layout, which draws the figure once more to measure it: every run draws
+    # this at its end, 0.23 -> 0.13 s warm)
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     few = len(rows) <= FEW_STEPS
     spans = phase_spans(rows)
-    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    fig = Figure(figsize=(9, 6.5))
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.08, top=0.93, hspace=0.08)
+    ax_r, ax_l = fig.subplots(2, 1, sharex=True)
 
     steps, reward = series(rows, "reward_mean")
     window = max(1, min(50, len(rows) // 10))
@@ -138,10 +139,8 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     if len(rows) == 1:
         ax_l.set_xlim(rows[0]["step"] - 1, rows[0]["step"] + 1)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
-    plt.close(fig)
     return out
 
 

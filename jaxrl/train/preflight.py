@@ -37,7 +37,7 @@ from models import load_tokenizer
 
 # Keys that may change between a run and its resume: how long it runs, how often it saves, what it
 # records, where the processes meet. Everything else changes the training itself.
-RUN_LENGTH_KEYS = ("steps", "save_every", "keep_checkpoints", "profile_steps", "export_hf", "run_dir",
+RUN_LENGTH_KEYS = ("steps", "save_every", "keep_checkpoints", "profile_steps", "export_hf", "curves", "run_dir",
                    "distributed", "rewards.num_workers")
 RESUME_MODES = ("auto", "force")
 _PROBE = "Hello, world! 0123456789 The quick brown fox: (a+b)=c?\n"

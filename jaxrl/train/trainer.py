@@ -290,7 +290,7 @@ class Trainer:
             raise
         finally:
             self.close()
-            if self.is_main:
+            if self.is_main and self.cfg.curves:
                 draw_run_curves(self.run_dir)
         return history
 
