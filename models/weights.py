@@ -91,8 +91,10 @@ def is_spec(x) -> bool:
     return isinstance(x, ArraySpec)
 
 
+@functools.cache
 def _normal(fan_in_dims: tuple[int, ...]):
-    """Scaled normal init: std = 1/sqrt(fan_in), fan_in = product of the given (non-layer) dims."""
+    """Scaled normal init: std = 1/sqrt(fan_in), fan_in = product of the given (non-layer) dims. One function
+    per `fan_in_dims` (cached), so equal specs compare equal and `init`'s program is built once per shape."""
 
     def init(key, shape, dtype):
         fan_in = math.prod(shape[d] for d in fan_in_dims)
@@ -231,11 +233,19 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, shardings: Weights
     if out_shardings is not None and len(out_shardings) != len(leaves):
         raise ValueError(f"shardings tree has {len(out_shardings)} leaves, weights have {len(leaves)}")
 
+    return jax.tree.unflatten(treedef, _init_program(tuple(leaves), out_shardings)(key))
+
+
+@functools.lru_cache(maxsize=64)
+def _init_program(leaves: tuple[ArraySpec, ...], out_shardings):
+    """`init`'s jitted program for these specs and shardings: one per shape in a process (a jit of a new closure
+    on every call was traced, lowered and looked up again each time a model was initialised)."""
+
     def make(key):
         keys = jax.random.split(key, len(leaves))
         return tuple(s.init(k, s.shape, s.dtype) for k, s in zip(keys, leaves))
 
-    return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=out_shardings)(key))
+    return jax.jit(make, out_shardings=out_shardings)
 
 
 def attach_lora(weights, cfg: ModelConfig, key: jax.Array, shardings=None):
@@ -255,12 +265,15 @@ def attach_lora(weights, cfg: ModelConfig, key: jax.Array, shardings=None):
     for name, k, s in zip(names, keys, sh):
         spec = getattr(layers, name)
         out = None if s is None else (s.lora_a, s.lora_b)
-        make = jax.jit(lambda k, spec=spec: (spec.lora_a.init(k, spec.lora_a.shape, spec.lora_a.dtype),
-                                             spec.lora_b.init(k, spec.lora_b.shape, spec.lora_b.dtype)),
-                       out_shardings=out)
-        a, b = make(k)
+        a, b = _adapter_program(spec.lora_a, spec.lora_b, out)(k)
         new[name] = _lora.LoraLinear(getattr(weights.layers, name), a, b, cfg.lora.scale)
     return dataclasses.replace(weights, layers=dataclasses.replace(weights.layers, **new))
+
+
+@functools.lru_cache(maxsize=64)
+def _adapter_program(a: ArraySpec, b: ArraySpec, out_shardings):
+    """`attach_lora`'s jitted program for one adapter pair (both drawn from the same key), one per shape."""
+    return jax.jit(lambda k: (a.init(k, a.shape, a.dtype), b.init(k, b.shape, b.dtype)), out_shardings=out_shardings)
 
 
 def vocab_rows(weights: Weights) -> int:
