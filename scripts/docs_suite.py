@@ -45,6 +45,16 @@ def register(renders, load, table, footer, machine):
         return "\n\n".join(parts + [footer(SUITE)])
 
 
+    @renders("suite-time-line")
+    def suite_time_line() -> str:
+        """The README's one line: the suite's time as CI runs it, and the machine."""
+        d = load(SUITE)
+        verdict = "within" if d["wall_s"] <= d["budget_s"] else "over"
+        return (f"As CI runs it (a clean clone, an empty compilation cache, the venv included): "
+                f"**{_clock(d['wall_s'])}** at `{d['commit'][:7]}` ({verdict} the {d['budget_s'] // 60}-minute "
+                f"budget), on {machine(d)}; from `scripts/results/{SUITE}`.")
+
+
 def _programs(p: dict, table) -> list[str]:
     """Where the program-building time went: trace, lower, compile (a cache miss), load (a hit)."""
     sec, n = p["seconds"], p["counts"]
