@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.train_runs import (DEFAULT_OPT, DYNAMIC, GOLDEN_OPT, NOISE_ATOL, ROOT, TAIL, _metrics, _params,
+from tests.train_runs import (DEFAULT_OPT, DYNAMIC, FEWER_SHAPES, GOLDEN_OPT, NOISE_ATOL, ROOT, TAIL, _metrics, _params,
                               _train, _train_together, run_main)
 
 
@@ -101,11 +101,6 @@ def test_custom_graph_node_by_import_path(tmp_path):
     assert (row["flow/samples"], row["my/kept_groups"]) == (4, 1)
     assert row["reward/items"] == 32
     assert not (tmp_path / "run" / "curves.png").exists()           # (TINY's curves=false)
-
-# One decode batch bucket per doubling and one page-table width (as tests/train_runs.TINY): tokens depend on
-# neither, and the warm-up builds fewer programs. The default buckets' warm-up is run by test_bench_cold_start.py
-# (and by the quickstart in the README).
-FEWER_SHAPES = ["engine.batch_buckets_per_octave=1", "engine.page_buckets=1"]
 
 
 def test_ppo_learns_on_the_quickstart_task(tmp_path):
