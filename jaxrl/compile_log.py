@@ -7,7 +7,7 @@ JAX reports the duration of each jaxpr trace, each lowering to StableHLO and eac
 (`jax.monitoring`, with the function's name); a compilation served by the persistent cache reports a cache hit
 first, so the log tells a compilation (`hit: false`) from a load (`hit: true`, which includes the wait for
 another process's compilation of the same program: `jaxrl.runtime`'s compile lock). Each line also names the
-pytest test that was running (`PYTEST_CURRENT_TEST`, which the processes a test starts inherit), so
+pytest test that was running (`PYTEST_CURRENT_TEST`, which the processes a test starts inherit) and the thread, so
 `scripts/suite_time.py` can say which tests the suite's trace, lower and compile seconds went to.
 
 Durations are wall seconds in the thread that recorded them: on a machine busier than its cores they include
@@ -56,7 +56,7 @@ class CompileLog:
         if kind is None:
             return
         row = {"t": round(time.time(), 3), "event": kind, "fn": kw.get("fun_name"), "s": round(duration, 4),
-               "test": os.environ.get("PYTEST_CURRENT_TEST")}
+               "test": os.environ.get("PYTEST_CURRENT_TEST"), "thread": threading.current_thread().name}
         if kind == "compile":
             row["hit"] = getattr(self._hit, "value", False)
             self._hit.value = False

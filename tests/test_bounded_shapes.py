@@ -259,6 +259,48 @@ def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
         np.testing.assert_allclose(float(m["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(float(m["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
+    grads = [k for k in UPDATE_CACHE._table if k[0] == "grad" and k[1] is upd.grad]
+    assert len(grads) == 1, grads                    # one gradient program: the first micro-batch adds to zeros
+
+
+@pytest.mark.parametrize("kind, layout", [("rl", {}), ("sft", {"fsdp": 2, "tp": 2})], ids=["one_device-rl", "fsdp2_tp2-sft"])
+def test_first_micro_batch_onto_zeros_is_the_gradient_bit_for_bit(kind, layout):
+    """`Updater.accumulate` without an accumulator adds the micro-batch's sums to `zero_sums` in the one
+    gradient program with an accumulator: bit for bit the sums of the gradient program without one (its
+    unoptimised twin), with the zeros and sums in the weights' shardings, on one device and on FSDP2 x TP2.
+    Compiled as runs compile (the session's jax_disable_most_optimizations off: at XLA's level 0 the two
+    programs differ in rounding, each leaf by ~1e-7 relative, zeros or not)."""
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.train.batch import Sample, pack
+    from jaxrl.train.step import LossSpec
+    from jaxrl.train.update import Updater
+    from models import logical_axes
+    from sharding import Layout, ShardingRules, shardings_for
+
+    cfg = TrainConfig()
+    mcfg = dataclasses.replace(PRESETS["tiny-char"], num_layers=2, hidden_size=64, intermediate_size=128)
+    lay = Layout(**layout)
+    mesh = lay.make_mesh(jax.devices()[:lay.size])
+    sh = shardings_for(logical_axes(mcfg), mesh, ShardingRules.train(mcfg, lay))
+    params = init(jax.random.key(0), mcfg, shardings=sh)
+    upd = Updater(mcfg, LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer, kind=kind), None)
+    rng = np.random.default_rng(1)
+    samples = [Sample(rng.integers(3, 100, rng.integers(3, 30)).tolist(), rng.integers(3, 100, rng.integers(1, 30)).tolist(),
+                      float(rng.normal())) for _ in range(12)]
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), None))
+    mb = {k: jax.device_put(v, rows) for k, v in pack(samples, np.full(12, 0.05, np.float32), 64, n_rows=8).items()}
+    optimized = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        onto_zeros, alone = upd.accumulate(params, mb), upd.grad(params, mb)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimized)
+    assert jax.tree.structure(onto_zeros) == jax.tree.structure(alone)
+    for a, b, p in zip(jax.tree.leaves(onto_zeros[0]), jax.tree.leaves(alone[0]), jax.tree.leaves(params)):
+        assert a.sharding.is_equivalent_to(p.sharding, a.ndim)
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    for k in onto_zeros[1]:
+        assert np.asarray(onto_zeros[1][k]).tobytes() == np.asarray(alone[1][k]).tobytes(), k
 
 
 def test_step_shapes_only_up_to_the_requests_a_rollout_holds():

@@ -261,7 +261,7 @@ def _train_update(cache, blockwise: bool, devices=None):
 
 @pytest.mark.parametrize("blockwise", [False, True], ids=["full", "blockwise"])
 def test_the_train_update_from_stored_executables_is_bitwise_the_compiled_one(store, blockwise):
-    """The update's executables (gradient with and without sums, the optimizer's update, the blockwise backward's
+    """The update's executables (the zero sums, the gradient, the optimizer's update, the blockwise backward's
     steps) are keyed by their module-level function, bound configs and the optimizer's config
     (`make_optimizer`); on a sharded train layout, loaded from the store in a fresh cache, they give the
     compiled executables' bits."""

@@ -79,8 +79,8 @@ from models import ModelConfig, decoder_stack, lora
 from .batch import FIELDS
 from .distributed import allgather
 from .history_attention import Attn, history_attention, stored_history
-from .step import STATS, LossSpec, hidden_loss
-from .update import Updater, _abstract, _out_abstract
+from .step import LossSpec, hidden_loss
+from .update import ZERO_SUMS, Updater, _abstract, _out_abstract, sums_shardings
 
 from jaxrl.config.train import BACKWARDS, KV_SOURCES  # noqa: E402,F401  (re-exported)
 
@@ -138,15 +138,6 @@ def history_sharding(rows_sharding):
     return canonical(NamedSharding(rows_sharding.mesh, P(None, rows)))
 
 
-def acc_shardings(params) -> dict:
-    """`_zero_acc`'s static arguments: the parameters' leaf shardings and the stats sums' (replicated over
-    their mesh); None for parameters that are not on a mesh."""
-    leaves = tuple(canonical(x.sharding) for x in jax.tree.leaves(lora.split(params)[0]))
-    if not isinstance(leaves[0], NamedSharding):
-        return {"shardings": None, "scalar": None}
-    return {"shardings": leaves, "scalar": NamedSharding(leaves[0].mesh, P())}
-
-
 def _pad_rows(mb, *, length: int):
     """Every [R, P] field padded with zeros to [R, length] (segment 0 and loss mask 0: inert padding)."""
     return {k: jnp.pad(v, ((0, 0), (0, length - v.shape[1]))) for k, v in mb.items()}
@@ -177,16 +168,6 @@ def _zeros_like_kv(hist_k, *, sharding=None):
     lands on one device, which a sharded train mesh then refuses)."""
     z = _constrain(jnp.zeros(hist_k.shape, jnp.float32), sharding)
     return z, z
-
-
-def _zero_acc(params, *, shardings=None, scalar=None):
-    """Zero gradient sums of the trainable parameters in their own shardings (`shardings`: their leaves'), zero
-    stats sums."""
-    params = lora.split(params)[0]
-    leaves = jax.tree.leaves(params)
-    zeros = [_constrain(jnp.zeros(p.shape, p.dtype), s) for p, s in zip(leaves, shardings or [None] * len(leaves))]
-    stats = {k: _constrain(jnp.zeros((), jnp.float32), scalar) for k in STATS}
-    return jax.tree.unflatten(jax.tree.structure(params), zeros), stats
 
 
 def block_step(params, mb, hist_k, hist_v, grad_k, grad_v, acc, start, *, cfg: ModelConfig, spec: LossSpec,
@@ -244,7 +225,7 @@ class BlockwiseUpdater(Updater):
         if kv_source not in KV_SOURCES:
             raise ValueError(f"kv_source={kv_source!r}; valid choices: {', '.join(KV_SOURCES)}")
         self.cfg, self.block, self.kv_source = cfg, block_size, kv_source
-        # every buffer is placed explicitly (`history_sharding`, `acc_shardings`): on a sharded train mesh
+        # every buffer is placed explicitly (`history_sharding`, `update.sums_shardings`): on a sharded train mesh
         # a constant left to XLA lands on one device
         self.kv_fn = jax.jit(functools.partial(recompute_kv, cfg=cfg, spec=spec, stored=True),
                              static_argnames=("sharding",))
@@ -252,7 +233,6 @@ class BlockwiseUpdater(Updater):
         self.step_fn = jax.jit(functools.partial(block_step, cfg=cfg, spec=spec, block=block_size),
                                donate_argnums=(4, 5, 6), static_argnames=("sharding",))
         self.zero_kv = jax.jit(_zeros_like_kv, static_argnames=("sharding",))
-        self.zero_acc = jax.jit(_zero_acc, static_argnames=("shardings", "scalar"))
         self.pad = jax.jit(_pad_rows, static_argnames=("length",))
         self.last = {"blocks": 0, "skipped": 0}         # of the last `gradients` call
         self.reset_counts()                             # since the step began (`counts`)
@@ -286,7 +266,7 @@ class BlockwiseUpdater(Updater):
         if kv is None and self.kv_source == "rollout":
             raise ValueError("kv_source='rollout' needs the rollout's K/V for every micro-batch")
         if acc is None:
-            acc = self.cache("zero_acc", self.zero_acc, params, **acc_shardings(params))
+            acc = self.cache("zeros", ZERO_SUMS, params, **sums_shardings(params))
         plan = plan_blocks(blocks_with_loss(raw["loss_mask"], self.block), self.block, self.cfg.sliding_window,
                            self.cfg.num_layers)
         n = -(-raw["tokens"].shape[1] // self.block)
@@ -326,7 +306,7 @@ class BlockwiseUpdater(Updater):
         P = self.padded_len(mb["tokens"].shape[1])
         if P != mb["tokens"].shape[1]:
             mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
-        acc = _out_abstract(self.cache.compile("zero_acc", self.zero_acc, p, **acc_shardings(p)))
+        acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
         hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv), sharding=at))
                   if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
         gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))

@@ -5,24 +5,30 @@ rows), and a fused train step compiled per row count recompiled for every new co
 cut into micro-batches of exactly `rows` x `pack_len` tokens (`rl.micro_batches`; the last one padded
 with zero-weight rows), and an update is
 
-    acc = grad_step(params, mb_0); acc = grad_step(params, mb_k, acc) ...;  apply_update(params, opt, acc)
+    acc = zero_sums(params); acc = grad_step(params, mb_k, acc) ...;  apply_update(params, opt, acc)
 
 (`step.make_grad_step` / `make_apply_update`: the fused step's scan body and update code, so the result is
-the fused step's over the same micro-batches). Reference and old-policy log-probs run per micro-batch
-too. The executables come from an explicit `ExecutableCache` (ahead-of-time compiled by input signature),
-and `warm()` compiles all of them before the first step — grad with and without an accumulator, the
-update, the log-prob pass — feeding each one's output shardings to the next until they repeat, so
-a run compiles nothing after it.
+the fused step's over the same micro-batches, whose scan also starts from zeros). Every micro-batch runs the
+one gradient program that adds to an accumulator, the first onto zeros (0 + x is x, bit for bit:
+tests/test_update.py), so a run compiles one gradient program, not one without an accumulator and one with
+(each ~2.7 s of a cold start's compilation for the quickstart's model). Reference and old-policy log-probs run
+per micro-batch too. The executables come from an explicit `ExecutableCache` (ahead-of-time compiled by input
+signature), and `warm()` compiles all of them before the first step — the zeros, grad, the update, the
+log-prob pass — feeding each one's output shardings to the next until they repeat, so a run compiles nothing
+after it.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl.rollout.executor import ExecutableCache
+from jaxrl.rollout.executor import ExecutableCache, canonical
+from models import lora
 
 from .batch import FIELDS
-from .step import make_apply_update, make_grad_step, make_logprob_fn
+from .step import STATS, make_apply_update, make_grad_step, make_logprob_fn
 
 CACHE = ExecutableCache(maxsize=64)
 
@@ -35,6 +41,34 @@ def _out_abstract(exe):
     """ShapeDtypeStructs of a compiled executable's outputs (with their shardings)."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         exe.out_info, exe.output_shardings)
+
+
+def _constrain(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def zero_sums(params, *, shardings=None, scalar=None):
+    """Zero gradient sums of the trainable parameters in their own shardings (`shardings`: their leaves'), zero
+    stats sums (`scalar`: their sharding): the accumulator a first micro-batch's sums are added to."""
+    params = lora.split(params)[0]
+    leaves = jax.tree.leaves(params)
+    zeros = [_constrain(jnp.zeros(p.shape, p.dtype), s) for p, s in zip(leaves, shardings or [None] * len(leaves))]
+    stats = {k: _constrain(jnp.zeros((), jnp.float32), scalar) for k in STATS}
+    return jax.tree.unflatten(jax.tree.structure(params), zeros), stats
+
+
+# keep_unused: the parameters stay inputs (read by nothing), so the executable has a fingerprint and a program JAX's
+# cache loaded can be stored (`jaxrl.executable_store`: XLA:CPU gives a program without inputs none)
+ZERO_SUMS = jax.jit(zero_sums, static_argnames=("shardings", "scalar"), keep_unused=True)
+
+
+def sums_shardings(params) -> dict:
+    """`zero_sums`' static arguments: the parameters' leaf shardings and the stats sums' (replicated over
+    their mesh); None for parameters that are not on a mesh."""
+    leaves = tuple(canonical(x.sharding) for x in jax.tree.leaves(lora.split(params)[0]))
+    if not isinstance(leaves[0], NamedSharding):
+        return {"shardings": None, "scalar": None}
+    return {"shardings": leaves, "scalar": NamedSharding(leaves[0].mesh, P())}
 
 
 def needs_policy_logprobs(cfg) -> bool:
@@ -68,19 +102,24 @@ class Updater:
 
     # ------------------------------------------------------------ the gradient-only entry point
     def accumulate(self, params, mb: dict, acc=None):
-        """One micro-batch's (grad_sums, stats_sums) added to `acc` (None: fresh sums), on whatever mesh
-        `mb` and `params` live on: what streamed and disaggregated updates call per micro-batch, summing
-        the accumulators onto the train mesh and calling `apply` once at the end (`grad_stream`)."""
-        return self.cache("grad", self.grad, params, mb) if acc is None else self.cache("grad", self.grad, params, mb, acc)
+        """One micro-batch's (grad_sums, stats_sums) added to `acc` (None: zeros in the weights' shardings), on
+        whatever mesh `mb` and `params` live on: what streamed and disaggregated updates call per micro-batch,
+        summing the accumulators onto the train mesh and calling `apply` once at the end (`grad_stream`)."""
+        if acc is None:
+            acc = self.cache("zeros", ZERO_SUMS, params, **sums_shardings(params))
+        return self.cache("grad", self.grad, params, mb, acc)
 
     def warm_accumulate(self, params, mb: dict):
         """Compile every executable `accumulate` runs for these (abstract) params and micro-batch, with and
         without sums, following their shardings; nothing runs. Returns the abstract sums (where they live)."""
         p, mb = _abstract(params), _abstract(mb)
-        acc = _out_abstract(self.cache.compile("grad", self.grad, p, mb))
-        acc2 = _out_abstract(self.cache.compile("grad", self.grad, p, mb, acc))
-        self.cache.compile("grad", self.grad, p, mb, acc2)
-        return acc2
+        acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
+        for _ in range(3):      # the sums feed the step again: follow them until they repeat
+            out = _out_abstract(self.cache.compile("grad", self.grad, p, mb, acc))
+            if self.cache.key("x", out) == self.cache.key("x", acc):
+                break
+            acc = out
+        return out
 
     def reset_counts(self):
         """Start counting this step's mechanism metrics (`counts`) afresh."""
