@@ -36,7 +36,7 @@ from . import rl
 from .distributed import global_sum
 from .optim import init_state, make_optimizer
 from .step import make_apply_update
-from .update import _abstract, _out_abstract
+from .update import ZERO_SUMS, _abstract, _out_abstract, sums_shardings
 
 VALUE_FIELDS = ("tokens", "positions", "segment_ids")
 TRAIN_FIELDS = VALUE_FIELDS + ("loss_mask", "weights", "returns", "old_values")
@@ -63,6 +63,9 @@ def value_loss_sum(params, mb, *, cfg, clip, attention_impl: str = "xla", remat:
             "returns": jnp.sum(ret * mask), "returns_sq": jnp.sum(ret * ret * mask), "resid": jnp.sum(resid * mask),
             "resid_sq": jnp.sum(resid * resid * mask)}
     return loss, sums
+
+
+STATS = ("loss", "tokens", "clipped", "value", "returns", "returns_sq", "resid", "resid_sq")   # value_loss_sum's
 
 
 def _grads(params, mb, acc=None, **kw):
@@ -121,17 +124,15 @@ class Critic:
     def update(self, mbs: list[dict]) -> dict:
         """One AdamW update from the summed value-loss gradients of `mbs` (packed with `returns` and
         `old_values`); returns the step's critic metrics (host values)."""
-        acc = None
-        for mb in mbs:
-            mb = {k: mb[k] for k in TRAIN_FIELDS}
-            acc = self.cache("critic_grad", self._grad, self.params, mb) if acc is None else \
-                self.cache("critic_grad", self._grad, self.params, mb, acc)
+        acc = self.cache("critic_zeros", ZERO_SUMS, self.params, **sums_shardings(self.params), stats=STATS)
+        for mb in mbs:       # (every micro-batch adds to the sums: one gradient program, as `Updater`'s)
+            acc = self.cache("critic_grad", self._grad, self.params, {k: mb[k] for k in TRAIN_FIELDS}, acc)
         grads, sums = acc
         self.params, self.opt_state, m = self.cache("critic_apply", self._apply, self.params, self.opt_state, grads, 1.0)
         return step_metrics(*jax.device_get((m, sums)))
 
     def warm(self, mb: dict) -> int:
-        """Compile the value pass, the gradient step (with and without an accumulator) and the update for
+        """Compile the value pass, the zero sums, the gradient step and the update for
         micro-batches shaped like `mb` (ShapeDtypeStructs with shardings; returns/old_values are added),
         following the update's output shardings until they repeat (as `Updater.warm`). Nothing runs."""
         before = self.cache.compiles
@@ -140,10 +141,13 @@ class Critic:
         p, o = _abstract(self.params), _abstract(self.opt_state)
         for _ in range(3):
             self.cache.compile("critic_values", self._values, p, {k: mb[k] for k in VALUE_FIELDS})
-            acc = _out_abstract(self.cache.compile("critic_grad", self._grad, p, mb))
-            acc2 = _out_abstract(self.cache.compile("critic_grad", self._grad, p, mb, acc))
-            self.cache.compile("critic_grad", self._grad, p, mb, acc2)
-            new_p, new_o, _ = _out_abstract(self.cache.compile("critic_apply", self._apply, p, o, acc2[0], 1.0))
+            acc = _out_abstract(self.cache.compile("critic_zeros", ZERO_SUMS, p, **sums_shardings(p), stats=STATS))
+            for _ in range(3):      # the sums feed the step again: follow them until they repeat
+                out = _out_abstract(self.cache.compile("critic_grad", self._grad, p, mb, acc))
+                if self.cache.key("x", out) == self.cache.key("x", acc):
+                    break
+                acc = out
+            new_p, new_o, _ = _out_abstract(self.cache.compile("critic_apply", self._apply, p, o, out[0], 1.0))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break
             p, o = new_p, new_o

@@ -238,7 +238,7 @@ class StreamTrainer:
     def warm(self, params, opt_state, ref_params=None, *, svc=None, devices=None) -> int:
         """Compile what a streamed step runs: the update's executables on the train mesh (`Updater.warm`),
         and on the sub-mesh of the devices a shrink frees (`devices`, else `svc`'s trailing half) the
-        gradient step with and without an accumulator and the reference log-probs; the weight copy onto
+        zero sums, the gradient step and the reference log-probs; the weight copy onto
         it and the final sum run once on zeros/copies (plain jitted programs). Returns new compilations
         in the updater's cache (the others are counted by `runtime.CompileCounter`)."""
         before = self.updater.cache.compiles
@@ -281,7 +281,7 @@ class StreamTrainer:
 
     def _warm_freed(self, params, devices, source):
         """The freed `devices`' executables: the weight copy from `source` (run once), the reference log-probs,
-        the K/V staging (kv_source=rollout) and the gradient step with and without an accumulator."""
+        the K/V staging (kv_source=rollout), the zero sums and the gradient step."""
         sub = self._sub_for(devices, vocab_rows(params))
         placed = reshard(source, sub.params)[0]            # the weight copy's programs, run once
         p = _abstract(placed)

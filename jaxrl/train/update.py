@@ -10,7 +10,7 @@ with zero-weight rows), and an update is
 (`step.make_grad_step` / `make_apply_update`: the fused step's scan body and update code, so the result is
 the fused step's over the same micro-batches, whose scan also starts from zeros). Every micro-batch runs the
 one gradient program that adds to an accumulator, the first onto zeros (0 + x is x, bit for bit:
-tests/test_update.py), so a run compiles one gradient program, not one without an accumulator and one with
+tests/test_bounded_shapes.py), so a run compiles one gradient program, not one without an accumulator and one with
 (each ~2.7 s of a cold start's compilation for the quickstart's model). Reference and old-policy log-probs run
 per micro-batch too. The executables come from an explicit `ExecutableCache` (ahead-of-time compiled by input
 signature), and `warm()` compiles all of them before the first step — the zeros, grad, the update, the
@@ -47,19 +47,19 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def zero_sums(params, *, shardings=None, scalar=None):
+def zero_sums(params, *, shardings=None, scalar=None, stats=STATS):
     """Zero gradient sums of the trainable parameters in their own shardings (`shardings`: their leaves'), zero
-    stats sums (`scalar`: their sharding): the accumulator a first micro-batch's sums are added to."""
+    sums of the `stats` (`scalar`: their sharding): the accumulator a first micro-batch's sums are added to."""
     params = lora.split(params)[0]
     leaves = jax.tree.leaves(params)
     zeros = [_constrain(jnp.zeros(p.shape, p.dtype), s) for p, s in zip(leaves, shardings or [None] * len(leaves))]
-    stats = {k: _constrain(jnp.zeros((), jnp.float32), scalar) for k in STATS}
+    stats = {k: _constrain(jnp.zeros((), jnp.float32), scalar) for k in stats}
     return jax.tree.unflatten(jax.tree.structure(params), zeros), stats
 
 
 # keep_unused: the parameters stay inputs (read by nothing), so the executable has a fingerprint and a program JAX's
 # cache loaded can be stored (`jaxrl.executable_store`: XLA:CPU gives a program without inputs none)
-ZERO_SUMS = jax.jit(zero_sums, static_argnames=("shardings", "scalar"), keep_unused=True)
+ZERO_SUMS = jax.jit(zero_sums, static_argnames=("shardings", "scalar", "stats"), keep_unused=True)
 
 
 def sums_shardings(params) -> dict:
@@ -110,8 +110,8 @@ class Updater:
         return self.cache("grad", self.grad, params, mb, acc)
 
     def warm_accumulate(self, params, mb: dict):
-        """Compile every executable `accumulate` runs for these (abstract) params and micro-batch, with and
-        without sums, following their shardings; nothing runs. Returns the abstract sums (where they live)."""
+        """Compile every executable `accumulate` runs for these (abstract) params and micro-batch, the zero sums
+        and the gradient, following the sums' shardings; nothing runs. Returns the abstract sums (where they live)."""
         p, mb = _abstract(params), _abstract(mb)
         acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
         for _ in range(3):      # the sums feed the step again: follow them until they repeat
