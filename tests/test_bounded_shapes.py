@@ -263,6 +263,42 @@ def test_fixed_micro_batch_update_equals_whole_batch_step_and_compiles_once():
     assert len(grads) == 1, grads                    # one gradient program: the first micro-batch adds to zeros
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_loss", "autodiff_loss"])
+def test_warm_start_shares_the_rl_gradient_program_at_advantage_1(fused):
+    """The warm start runs the RL update's gradient program (`warm_start.loss_spec`: one compilation for both)
+    where that is the NLL's gradient bit for bit: demonstrations at advantage 1, on-policy ratio 1. Checked against
+    the NLL spec's gradient, compiled as runs compile; the specs it must not share: temperature, KL, entropy."""
+    from jaxrl.config.loading import from_yaml_file
+    from jaxrl.config.train import TrainConfig
+    from jaxrl.train.batch import Sample, pack
+    from jaxrl.train.step import LossSpec, make_grad_step
+    from jaxrl.train.warm_start import loss_spec
+
+    cfg = from_yaml_file(TrainConfig, "configs/quickstart.yaml")
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, fused_loss=fused))
+    rl_spec = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer)
+    assert loss_spec(cfg, rl_spec) is rl_spec and loss_spec(cfg, None).kind == "sft"
+    for other in ({"temperature": 0.7}, {"kl_coef": 0.05}, {"entropy_coef": 0.01}, {"dual_clip": 3.0}):
+        assert loss_spec(cfg, dataclasses.replace(rl_spec, **other)).kind == "sft", other
+    mcfg = dataclasses.replace(PRESETS["tiny-char"], num_layers=2, hidden_size=64, intermediate_size=128)
+    params = init(jax.random.key(0), mcfg)
+    rng = np.random.default_rng(2)
+    samples = [Sample(rng.integers(3, 100, rng.integers(3, 30)).tolist(), rng.integers(3, 100, rng.integers(1, 30)).tolist(),
+                      1.0) for _ in range(12)]
+    mb = {k: jax.numpy.asarray(v) for k, v in pack(samples, np.full(12, 0.05, np.float32), 64, n_rows=8).items()}
+    optimized = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        nll = make_grad_step(mcfg, loss_spec(cfg, None))(params, mb)
+        shared = make_grad_step(mcfg, loss_spec(cfg, rl_spec))(params, mb)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimized)
+    for a, b in zip(jax.tree.leaves(shared[0]), jax.tree.leaves(nll[0])):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert {k: float(v) for k, v in shared[1].items() if k != "loss"} == {k: float(v) for k, v in nll[1].items() if k != "loss"}
+    assert make_grad_step(mcfg, rl_spec) is make_grad_step(mcfg, dataclasses.replace(rl_spec))   # one program
+
+
 @pytest.mark.parametrize("kind, layout", [("rl", {}), ("sft", {"fsdp": 2, "tp": 2})], ids=["one_device-rl", "fsdp2_tp2-sft"])
 def test_first_micro_batch_onto_zeros_is_the_gradient_bit_for_bit(kind, layout):
     """`Updater.accumulate` without an accumulator adds the micro-batch's sums to `zero_sums` in the one

@@ -202,10 +202,13 @@ def _grads(params, mb, acc=None, *, cfg: ModelConfig, spec: LossSpec):
     return (g, sums) if acc is None else jax.tree.map(jnp.add, acc, (g, sums))
 
 
+@functools.cache
 def make_grad_step(cfg: ModelConfig, spec: LossSpec):
     """Jitted `grad_step(params, micro_batch, acc=None) -> (grad_sums, stats_sums)`: gradients of the
     unnormalised Σ weights · ℓ · mask and the stats sums (loss, tokens, entropy, kl, clipped, nll). Runs
-    on whatever mesh its inputs live on (a sub-mesh too; combine with `sum_onto`).
+    on whatever mesh its inputs live on (a sub-mesh too; combine with `sum_onto`). One jitted function per
+    (cfg, spec) in a process, so updaters of one spec share its executables (the warm start's and the RL
+    update's: `warm_start.loss_spec`).
 
     `acc` (donated) is a running (grad_sums, stats_sums) to add this micro-batch's sums to, inside the
     same program: that is exactly the fused step's `lax.scan` body, so accumulating with `acc` is

@@ -177,7 +177,7 @@ class Trainer:
         # RL then trains the adapters on it, and the warmed base is the reference policy.
         base = supervised_warm_start(self.cfg, self.dataset, self.tokenizer, lora.base(params),
                                      lora.base(uc.shardings), uc.mesh, uc.pack_len, uc.mb_rows, uc.model_cfg,
-                                     self.metrics, is_main=self.is_main)
+                                     self.metrics, is_main=self.is_main, rl_spec=uc.spec)
         self.policy.params = lora.rebase(params, base)
         self.svc.update_weights(self.policy.params)
 

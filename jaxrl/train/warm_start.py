@@ -27,21 +27,37 @@ def demonstrations(rows: list[dict], tokenizer, cfg: TrainConfig) -> list[Sample
     """One training sample per row: its task's ideal response; with an environment (rollout.env) the task's
     ideal turns played against it, the observations masked out (`jaxrl.envs.render.demonstration`)."""
     if getattr(cfg.rollout, "env", None) is None:
-        return [Sample(p, r, 0.0) for p, r in encode_demonstrations(rows, tokenizer, cfg.data.chat)]
+        return [Sample(p, r, 1.0) for p, r in encode_demonstrations(rows, tokenizer, cfg.data.chat)]
     fmt, out = ObservationFormat(tokenizer, cfg.data.chat), []
     for row in rows:
         turns = get_task(row["task"]).demonstration_turns(Example(row["prompt"], row["answer"], row["task"]))
         opening, response, mask = demonstration(make_env(env_name(row, cfg.rollout.env)), row, turns, tokenizer,
                                                 fmt, tokenizer.eos_ids[0])
         prompt = encode_prompts([{**row, "prompt": row["prompt"] + opening}], tokenizer, cfg.data.chat)[0]
-        out.append(Sample(prompt, response, 0.0, mask=mask))
+        out.append(Sample(prompt, response, 1.0, mask=mask))
     return out
 
 
+def loss_spec(cfg: TrainConfig, rl_spec: LossSpec | None) -> LossSpec:
+    """The warm start's loss: the NLL (`kind="sft"`), or the RL update's own `rl_spec` where its gradient at
+    advantage 1 (every demonstration's: `demonstrations`) is the NLL's bit for bit: on-policy the ratio is
+    exp(logp - sg(logp)) = 1 and unclipped, so the term's derivative in logp is -A = -1, the NLL's; with
+    temperature 1, no KL and no entropy term, nothing else enters (tests/test_bounded_shapes.py). Then the
+    warm start and the RL update run one gradient program (`step.make_grad_step`), compiled once: ~3-4 s of
+    the quickstart's cold start. Only the "loss" sum differs: the warm start reports the "nll" one."""
+    sft = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer, kind="sft")
+    same = rl_spec is not None and rl_spec.kind == "rl" and rl_spec.temperature == 1.0 and not rl_spec.kl_coef \
+        and not rl_spec.entropy_coef and rl_spec.dual_clip is None and \
+        dataclasses.replace(rl_spec, kind="sft", clip_low=sft.clip_low, clip_high=sft.clip_high) == sft
+    return rl_spec if same else sft
+
+
 def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, shardings, mesh, pack_len: int,
-                          mb_rows: int | None, model_cfg, metrics, *, is_main: bool = True):
+                          mb_rows: int | None, model_cfg, metrics, *, is_main: bool = True,
+                          rl_spec: LossSpec | None = None):
     """`cfg.warm_start.steps` NLL steps (token-mean, its own optimizer) from `params`; returns the new
-    params. `mb_rows`: the fixed micro-batch rows of the RL update (None: the fused whole-batch step)."""
+    params. `mb_rows`: the fixed micro-batch rows of the RL update (None: the fused whole-batch step).
+    `rl_spec`: the RL update's loss, whose gradient program the warm start shares where it can (`loss_spec`)."""
     w = cfg.warm_start
     other = sorted({row["task"] for row in dataset} - set(TASKS))
     if other:
@@ -51,7 +67,7 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
         return params
     tx, _ = make_optimizer(w.optim, w.steps)
     opt = init_state(tx, params, shardings, mesh)
-    sft = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer, kind="sft")
+    sft = loss_spec(cfg, rl_spec)
     updater = Updater(model_cfg, sft, tx) if mb_rows else None
     step_fn = None if updater else make_train_step(model_cfg, sft, tx, 1)
     if w.batch_size % jax.process_count():
