@@ -150,6 +150,23 @@ def test_fork_bomb_is_contained(source, statuses):
     assert_no_leftovers(result=r)
 
 
+def test_the_exception_line_is_found_under_the_output_of_killed_children():
+    """A fork bomb's children, killed mid-traceback, write after the program's own last line (a CI run's tail
+    ended in a child's "File ..." line and the run was classified as an error); the classifier reads the last
+    exception line instead, and a tail without one by its last line."""
+    from jaxrl.rewards.sandbox_supervisor import exception_line
+
+    tb = ('Traceback (most recent call last):\n  File "/w/main.py", line 2, in <module>\n    while True: os.fork()\n'
+          'BlockingIOError: [Errno 11] Resource temporarily unavailable\n')
+    child = 'Traceback (most recent call last):\n  File "/w/main.py", line 2, in <module>\n'
+    assert exception_line(tb + child + child) == "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    assert exception_line("x\nMemoryError\n\n") == "MemoryError"
+    assert exception_line("json.decoder.JSONDecodeError: Expecting value\n  File x\n") == \
+        "json.decoder.JSONDecodeError: Expecting value"
+    assert exception_line("no exception here: just text\nlast words\n") == "last words"
+    assert exception_line("") == ""
+
+
 ESCAPE = """import os, sys, time
 if os.fork() == 0:
     os.setsid()                       # leave the process group

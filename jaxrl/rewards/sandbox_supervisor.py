@@ -202,6 +202,25 @@ def _kill_rest(cfg: dict, pid: int, uid: int, root: bool) -> None:
             return
 
 
+def _is_exception_name(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    cls = getattr(builtins, leaf, None)
+    return (isinstance(cls, type) and issubclass(cls, BaseException)) or leaf.endswith(("Error", "Exception"))
+
+
+def exception_line(tail: str) -> str:
+    """The line of a stderr tail that says how the program died: the last exception line ("Name: message" or a
+    bare "Name", an exception's name), else the last non-empty line. Not simply the last line: the processes
+    a program forked write to the same stderr, and a fork bomb's children, killed mid-traceback, leave their
+    partial tracebacks after the program's own last line (seen: a tail ending in a child's "File ..." line)."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        name, sep, _ = line.partition(":")
+        if (sep or name == line) and name.replace(".", "").replace("_", "").isalnum() and _is_exception_name(name):
+            return line
+    return lines[-1] if lines else ""
+
+
 def _classify(cfg: dict, k: int, status: int, cpu_used: float, timed_out: bool, exec_error: str,
               fds) -> tuple[str, str]:
     lim = cfg["limits"]
@@ -231,7 +250,7 @@ def _classify(cfg: dict, k: int, status: int, cpu_used: float, timed_out: bool, 
     if big:
         return "killed", "output_size"
     tail = os.pread(err, 2048, max(0, err_size - 2048)).decode("utf-8", "replace")
-    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+    last = exception_line(tail)
     exc = last.split(":", 1)[0].strip()
     if exc == "MemoryError":
         return "killed", "memory"
