@@ -36,7 +36,7 @@ from . import rl
 from .distributed import global_sum
 from .optim import init_state, make_optimizer
 from .step import make_apply_update
-from .update import ZERO_SUMS, _abstract, _out_abstract, sums_shardings
+from .update import ZERO_SUMS, _abstract, _out_abstract, sums_shardings, warm_sums
 
 VALUE_FIELDS = ("tokens", "positions", "segment_ids")
 TRAIN_FIELDS = VALUE_FIELDS + ("loss_mask", "weights", "returns", "old_values")
@@ -142,12 +142,8 @@ class Critic:
         for _ in range(3):
             self.cache.compile("critic_values", self._values, p, {k: mb[k] for k in VALUE_FIELDS})
             acc = _out_abstract(self.cache.compile("critic_zeros", ZERO_SUMS, p, **sums_shardings(p), stats=STATS))
-            for _ in range(3):      # the sums feed the step again: follow them until they repeat
-                out = _out_abstract(self.cache.compile("critic_grad", self._grad, p, mb, acc))
-                if self.cache.key("x", out) == self.cache.key("x", acc):
-                    break
-                acc = out
-            new_p, new_o, _ = _out_abstract(self.cache.compile("critic_apply", self._apply, p, o, out[0], 1.0))
+            acc = warm_sums(self.cache, "critic_grad", self._grad, p, mb, acc)
+            new_p, new_o, _ = _out_abstract(self.cache.compile("critic_apply", self._apply, p, o, acc[0], 1.0))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break
             p, o = new_p, new_o

@@ -71,6 +71,17 @@ def sums_shardings(params) -> dict:
     return {"shardings": leaves, "scalar": NamedSharding(leaves[0].mesh, P())}
 
 
+def warm_sums(cache: ExecutableCache, name: str, grad, params, mb, acc):
+    """Compile `grad(params, mb, acc)` (abstract inputs), feeding its output sums back as `acc` until their
+    placement repeats (at most 3 programs); returns the abstract sums."""
+    for _ in range(3):
+        out = _out_abstract(cache.compile(name, grad, params, mb, acc))
+        if cache.key("x", out) == cache.key("x", acc):
+            break
+        acc = out
+    return out
+
+
 def needs_policy_logprobs(cfg) -> bool:
     """Whether a step runs the log-prob pass on the policy's own weights: the old log-probs of several
     mini-batches, or the reward's KL (algo.kl_in_reward). On-policy with one update it never does (the ratio
@@ -114,12 +125,7 @@ class Updater:
         and the gradient, following the sums' shardings; nothing runs. Returns the abstract sums (where they live)."""
         p, mb = _abstract(params), _abstract(mb)
         acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
-        for _ in range(3):      # the sums feed the step again: follow them until they repeat
-            out = _out_abstract(self.cache.compile("grad", self.grad, p, mb, acc))
-            if self.cache.key("x", out) == self.cache.key("x", acc):
-                break
-            acc = out
-        return out
+        return warm_sums(self.cache, "grad", self.grad, p, mb, acc)
 
     def reset_counts(self):
         """Start counting this step's mechanism metrics (`counts`) afresh."""

@@ -46,8 +46,8 @@ def loss_spec(cfg: TrainConfig, rl_spec: LossSpec | None) -> LossSpec:
     warm start and the RL update run one gradient program (`step.make_grad_step`), compiled once: ~3-4 s of
     the quickstart's cold start. Only the "loss" sum differs: the warm start reports the "nll" one."""
     sft = LossSpec.from_config(cfg.algo, temperature=1.0, trainer=cfg.trainer, kind="sft")
-    same = rl_spec is not None and rl_spec.kind == "rl" and rl_spec.temperature == 1.0 and not rl_spec.kl_coef \
-        and not rl_spec.entropy_coef and rl_spec.dual_clip is None and \
+    # the same spec but for the kind and the clip range (unused at ratio 1): temperature 1, no KL, entropy or dual clip
+    same = rl_spec is not None and rl_spec.kind == "rl" and \
         dataclasses.replace(rl_spec, kind="sft", clip_low=sft.clip_low, clip_high=sft.clip_high) == sft
     return rl_spec if same else sft
 
