@@ -64,15 +64,34 @@ def _placement(sh, ndim: int):
 
 
 def _signature(args) -> tuple:
+    """An uncommitted array (it goes where its computation goes) is keyed as a ShapeDtypeStruct without a
+    sharding: a program lowered for a committed one makes committed outputs, which would then refuse to meet
+    arrays on other devices in a later program."""
     leaves, treedef = jax.tree.flatten(args)
     sig = []
     for x in leaves:
         if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-            sig.append((x.shape, x.dtype, _placement(x.sharding, x.ndim)))
+            placed = not isinstance(x, jax.Array) or x.committed
+            sig.append((x.shape, x.dtype, _placement(x.sharding, x.ndim) if placed else None))
         else:
             x = np.asarray(x)
             sig.append((x.shape, x.dtype))
     return treedef, tuple(sig)
+
+
+def abstract(tree):
+    """ShapeDtypeStructs of a tree of arrays, keyed (`_signature`) and lowered as the arrays are: with their
+    shardings, none for an uncommitted array. What a compilation ahead, or on another thread, reads."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if not isinstance(x, jax.Array) or x.committed else None), tree)
+
+
+def out_abstract(exe):
+    """ShapeDtypeStructs of a compiled executable's outputs, as `abstract` gives its results: with their
+    shardings, none where the program makes uncommitted results (one device, nothing placed)."""
+    committed = getattr(getattr(exe._executable, "_unloaded_executable", None), "committed", True)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh if committed else None),
+                        exe.out_info, exe.output_shardings)
 
 
 @dataclasses.dataclass

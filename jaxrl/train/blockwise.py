@@ -266,7 +266,7 @@ class BlockwiseUpdater(Updater):
         if kv is None and self.kv_source == "rollout":
             raise ValueError("kv_source='rollout' needs the rollout's K/V for every micro-batch")
         if acc is None:
-            acc = self.cache("zero_acc", ZERO_SUMS, params, **sums_shardings(params))
+            acc = self.cache("zeros", ZERO_SUMS, params, **sums_shardings(params))
         plan = plan_blocks(blocks_with_loss(raw["loss_mask"], self.block), self.block, self.cfg.sliding_window,
                            self.cfg.num_layers)
         n = -(-raw["tokens"].shape[1] // self.block)
@@ -306,7 +306,7 @@ class BlockwiseUpdater(Updater):
         P = self.padded_len(mb["tokens"].shape[1])
         if P != mb["tokens"].shape[1]:
             mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
-        acc = _out_abstract(self.cache.compile("zero_acc", ZERO_SUMS, p, **sums_shardings(p)))
+        acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
         hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv), sharding=at))
                   if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
         gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))

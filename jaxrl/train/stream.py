@@ -61,6 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.config.base import ConfigError
 from jaxrl.config.stream import StreamSection, check_stream
+from jaxrl.rollout.executor import abstract as _abstract
 from models import fit_vocab, logical_axes, lora, vocab_rows
 from sharding import Layout, ShardingRules, reshard, shardings_for
 
@@ -337,8 +338,4 @@ def _delete(tree):
     for x in {id(x): x for x in jax.tree.leaves(tree)}.values():
         if not x.is_deleted():
             x.delete()
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 

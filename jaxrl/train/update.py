@@ -25,22 +25,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.rollout.executor import ExecutableCache, canonical
+from jaxrl.rollout.executor import abstract as _abstract, out_abstract as _out_abstract
 from models import lora
 
 from .batch import FIELDS
 from .step import STATS, make_apply_update, make_grad_step, make_logprob_fn
 
 CACHE = ExecutableCache(maxsize=64)
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _out_abstract(exe):
-    """ShapeDtypeStructs of a compiled executable's outputs (with their shardings)."""
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        exe.out_info, exe.output_shardings)
 
 
 def _constrain(x, sharding):

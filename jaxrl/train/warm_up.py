@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl.rollout.executor import abstract
 from jaxrl.rollout.service import truncate_variants
 
 from . import corrections
@@ -130,9 +131,3 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
         if not early:
             rs.background = BackgroundCompile.start(jobs, _exact_jobs(svc, truncate_variants(sampling)))
     return n
-
-
-def abstract(tree):
-    """ShapeDtypeStructs (with shardings) of a tree of arrays: what a compilation on another thread reads
-    while this one goes on (and donates the arrays)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
