@@ -17,10 +17,11 @@ and on the CPU the processor's feature flags. A hit is a file read and a deseria
 The key holds no device: one file serves every device group of the same mesh shape (a TP1 rollout instance per
 device, the processes of a multi-process run, each on its own devices) and every mesh of that shape over
 several processes' devices (a multi-process run's train layout: each process loads the SPMD program, the
-1-process run's too). The executable is serialised with its devices' ids, which a load maps, position by
-position in the mesh, onto the devices of the mesh it is loaded for, with XLA's device assignment rebuilt for
-them (as JAX's persistent cache does with the CPU keys `jaxrl.runtime` makes device- and process-free). One
-process at a time builds a missing entry (`Entry.load_or_build`); the others wait for it and load it.
+1-process run's too). The executable is serialised with its devices' ids (`jaxrl.serialized_executable`), which
+a load maps, position by position in the mesh, onto the devices of the mesh it is loaded for, with XLA's device
+assignment rebuilt for them (as JAX's persistent cache does with the CPU keys `jaxrl.runtime` makes device- and
+process-free). One process at a time builds a missing entry (`Entry.load_or_build`); the others wait for it and
+load it.
 
 `ExecutableStore.default()` is the store under the persistent cache's directory (`executables/`), when that
 cache is on and local; JAXRL_EXECUTABLE_STORE=0 turns the store off alone. `jaxrl.rollout.executor`'s
@@ -29,34 +30,40 @@ update's gradient, optimizer-update, log-prob and blockwise-backward steps, the 
 a closure, is compiled as before). A load records the events a persistent-cache hit
 records (`jaxrl.runtime.CompileCounter` and `jaxrl.compile_log` count it as a load). A file that cannot be read
 is removed and the program compiled. Like JAX's cache, loading runs the code in the files: the directory must be
-as trusted as the program. Entries are never evicted (nor are JAX's by default); delete the directory to clear.
+as trusted as the program.
+
+The store is bounded: a load marks its file used (its modification time), and a save that takes the store past
+`max_bytes` (JAXRL_EXECUTABLE_STORE_MAX_GB, default 2) removes the least recently used files until it holds 90%
+of it. Every change of our sources, JAX or its settings keys new entries, so without a bound the old ones piled
+up (1.4 GB over a few weeks of this project's own development). Each process counts the store's size once, at
+its first save, then adds what it writes; another process's writes are seen at the next count (a bound kept
+within what the processes write between counts, not a quota).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
 import importlib.util
-import io
 import logging
 import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import jax
 import jaxlib
 import numpy as np
-from jax._src import compilation_cache, compiler, config, monitoring
-from jax._src.lib import xla_client as xc
-from jax.experimental import serialize_executable
+from jax._src import config, monitoring
 from jax.sharding import NamedSharding
 
-from jaxrl import runtime
+from jaxrl import runtime, serialized_executable as serialized
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +240,11 @@ class Entry:
         try:
             if record["key"] != self.key:                        # (a sha256 collision: never seen, but checked)
                 return None
-            compiled = _deserialize(record, self.devices)
+            compiled = serialized.deserialize(record, self.devices)
         except Exception as e:
             return self._discard(path, e)
+        with contextlib.suppress(OSError):          # used now: the last to go when the store is trimmed
+            os.utime(path)
         monitoring.record_event(_HIT)                # as a persistent-cache hit: CompileCounter, compile_log
         monitoring.record_event_duration_secs(_COMPILE, time.perf_counter() - start, fun_name=f"jit({self.label})")
         return compiled
@@ -270,9 +279,9 @@ class Entry:
         serialise a deserialised executable again (the copy fails at run time: "Function ... not found")."""
         ids = [d.id for d in self.devices]
         try:
-            if [d.id for d in _assigned_devices(compiled)] != ids:
+            if [d.id for d in serialized.assigned_devices(compiled)] != ids:
                 return False                      # assigned in another order than the mesh's: not remapped here
-            payload, in_tree, out_tree = _serialize(compiled, _jax_cache_bytes(compiled.runtime_executable()))
+            payload, in_tree, out_tree = serialized.serialize(compiled)
         except (ValueError, NotImplementedError, AttributeError) as e:   # e.g. host callbacks, constants
             log.debug("executable store: %s not serialisable: %s", self.label, e)
             return False
@@ -288,117 +297,75 @@ class Entry:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self.store.added(self.path)
         return True
 
 
-def _assigned_devices(compiled) -> list:
-    """The executable's device assignment, every process's devices (the XLA executable lists its own only)."""
-    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
-    if unloaded is None:
-        raise ValueError("not serialisable")
-    return list(unloaded.device_list)
+DEFAULT_MAX_GB = 2.0
+_sizes: dict[Path, int] = {}            # directory -> its bytes as this process counts them (`ExecutableStore.added`)
+_sizes_lock = threading.Lock()
 
 
-class _Pickler(serialize_executable._JaxPjrtPickler):
-    """JAX's pickler for compiled executables, with the XLA executable's bytes given (`cached`) or serialised."""
-
-    def __init__(self, file, cached: bytes | None):
-        super().__init__(file)
-        self.cached = cached
-
-    def persistent_id(self, obj):
-        if self.cached is not None and isinstance(obj, xc.LoadedExecutable):
-            return "exec", self.cached
-        return super().persistent_id(obj)
-
-
-def _serialize(compiled, cached: bytes | None):
-    """`jax.experimental.serialize_executable.serialize`, through `_Pickler`."""
-    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
-    if unloaded is None or compiled._params.const_args:
-        raise ValueError("not serialisable")
-    args_info_flat, in_tree = jax.tree.flatten(compiled.args_info)
-    with io.BytesIO() as f:
-        _Pickler(f, cached).dump((unloaded, args_info_flat, compiled._no_kwargs))
-        return f.getvalue(), in_tree, compiled.out_tree
-
-
-_FROM_JAX_CACHE: dict[int, tuple[bytes, str]] = {}     # id(LoadedExecutable) -> (its fingerprint, JAX's key)
-
-
-def _note_jax_cache_loads() -> None:
-    """Remember which XLA executables JAX's persistent cache deserialised, and under which key: JAX's in-memory
-    caches hand the same object to every later `lower().compile()` of the same program."""
-    get = compilation_cache.get_executable_and_time
-    if getattr(get, "_jaxrl_noted", False):
-        return
-
-    def noted(cache_key, compile_options, backend, executable_devices):
-        executable, seconds = get(cache_key, compile_options, backend, executable_devices)
-        if executable is not None:
-            _FROM_JAX_CACHE[id(executable)] = (executable.fingerprint, cache_key)
-        return executable, seconds
-
-    noted._jaxrl_noted = True
-    compilation_cache.get_executable_and_time = noted
-
-
-_note_jax_cache_loads()
-
-
-def _jax_cache_bytes(executable) -> bytes | None:
-    """The bytes JAX's persistent cache deserialised `executable` from (None: compiled in this process).
-
-    The table is keyed by id() (an XLA executable takes no weak reference), so an entry can be stale: a freed
-    executable's id reused by another one. Every load from JAX's cache writes its id's entry anew, so an entry
-    whose fingerprint differs from the executable's is stale and the executable was compiled here: it is
-    serialised itself. An empty fingerprint (XLA:CPU gives a program without inputs none) tells nothing:
-    such a program under a noted id is not stored (compiled again next time)."""
-    fingerprint, key = _FROM_JAX_CACHE.get(id(executable), (None, None))
-    if key is None:
-        return None
-    if not executable.fingerprint:                   # (whatever the entry says: another program's bytes, or its own)
-        raise ValueError("cannot tell it from a program JAX's cache loaded")
-    if fingerprint != executable.fingerprint:
-        _FROM_JAX_CACHE.pop(id(executable), None)                       # stale: compiled in this process
-        return None
-    cache = compilation_cache._get_cache(executable.client)
-    data = cache.get(key) if cache is not None else None
-    if data is None:
-        raise ValueError("its persistent-cache entry is gone")
-    return compilation_cache.extract_executable_and_time(compilation_cache.decompress_executable(data))[0]
-
-
-class _Unpickler(serialize_executable._JaxPjrtUnpickler):
-    """JAX's unpickler for serialised executables, with the saved device ids mapped onto `devices` (the same
-    positions in the mesh) and the XLA executable's device assignment rebuilt for them."""
-
-    def __init__(self, file, devices: list, saved_ids: list[int]):
-        super().__init__(file, devices[0].client, devices)
-        self.devices_by_id = dict(zip(saved_ids, devices))
-        self._assignment = np.array(devices)[None, :]
-
-    def persistent_load(self, pid):
-        if pid[0] == "exec":
-            options = compiler.get_compile_options(num_replicas=1, num_partitions=self._assignment.shape[1],
-                                                   device_assignment=self._assignment, backend=self.backend)
-            return self.backend.deserialize_executable(pid[1], self.execution_devices, options)
-        return super().persistent_load(pid)
-
-
-def _deserialize(record: dict, devices: tuple):
-    unloaded, args_info_flat, no_kwargs = _Unpickler(io.BytesIO(record["payload"]), list(devices),
-                                                     record["ids"]).load()
-    args_info = jax.tree.structure(record["in"]).unflatten(args_info_flat)
-    return jax.stages.Compiled(unloaded.load(), [], args_info, jax.tree.structure(record["out"]),
-                               no_kwargs=no_kwargs)
+def max_bytes_from_env() -> int:
+    """JAXRL_EXECUTABLE_STORE_MAX_GB (default `DEFAULT_MAX_GB`) in bytes; a clear error for a bad value."""
+    text = os.environ.get("JAXRL_EXECUTABLE_STORE_MAX_GB", str(DEFAULT_MAX_GB))
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:
+        raise ValueError(f"JAXRL_EXECUTABLE_STORE_MAX_GB={text!r}: a positive number of GB (default "
+                         f"{DEFAULT_MAX_GB}); JAXRL_EXECUTABLE_STORE=0 turns the store off")
+    return int(gb * 2**30)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutableStore:
-    """A directory of serialised executables (see the module docstring)."""
+    """A directory of serialised executables (see the module docstring), at most about `max_bytes` of them."""
 
     directory: Path
+    max_bytes: int = int(DEFAULT_MAX_GB * 2**30)
+
+    def added(self, path: Path) -> None:
+        """Count the file just written at `path`; past `max_bytes`, `trim`."""
+        size = path.stat().st_size
+        with _sizes_lock:
+            known = _sizes.get(self.directory)
+            total = self._count() if known is None else known + size
+            _sizes[self.directory] = total
+            if total > self.max_bytes:
+                _sizes[self.directory] = self.trim(keep=path)
+
+    def _count(self) -> int:
+        return sum(size for _, size, _ in self._files())
+
+    def _files(self) -> list:
+        files = []
+        for p in self.directory.glob("*.exe"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:                # (another process trimmed it meanwhile)
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        return files
+
+    def trim(self, keep: Path | None = None) -> int:
+        """Remove the least recently used entries (oldest modification time: a load touches its file) until the
+        store holds at most 90% of `max_bytes` (not `keep`); returns the bytes left."""
+        files = sorted(self._files())
+        total, removed, freed = sum(size for _, size, _ in files), 0, 0
+        for _, size, p in files:
+            if total <= 0.9 * self.max_bytes:
+                break
+            if p == keep:
+                continue
+            p.unlink(missing_ok=True)
+            total, removed, freed = total - size, removed + 1, freed + size
+        if removed:
+            log.info("executable store %s: removed the %d least recently used entries (%.0f MB) to stay under "
+                     "%.2f GB (JAXRL_EXECUTABLE_STORE_MAX_GB)", self.directory, removed, freed / 2**20,
+                     self.max_bytes / 2**30)
+        return total
 
     @classmethod
     def default(cls) -> ExecutableStore | None:
@@ -409,7 +376,7 @@ class ExecutableStore:
         directory = jax.config.jax_compilation_cache_dir
         if not directory or "://" in directory:
             return None
-        return cls(Path(directory) / "executables")
+        return cls(Path(directory) / "executables", max_bytes_from_env())
 
     def entry(self, label: str, fn, args: tuple, static: dict) -> Entry | None:
         """The entry of jitted `fn` on these inputs (arrays or ShapeDtypeStructs with NamedShardings) and

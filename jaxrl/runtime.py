@@ -27,6 +27,8 @@ A process whose only backend is the CPU compiles with XLA's LLVM backend at leve
     JAXRL_COMPILATION_CACHE_DIR=PATH   location (default ~/.cache/jaxrl/xla)
     JAXRL_COMPILE_LOCK=0               every process compiles its misses itself
     JAXRL_COMPILE_LOG=DIR              log every trace, lowering and compilation (`jaxrl.compile_log`)
+    JAXRL_EXECUTABLE_STORE=0           no store of executables beside the cache (`jaxrl.executable_store`)
+    JAXRL_EXECUTABLE_STORE_MAX_GB=N    that store's bound, least recently used entries removed past it (default 2)
 """
 
 from __future__ import annotations

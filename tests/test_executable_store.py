@@ -6,10 +6,12 @@ stored, also where it loaded them from JAX's persistent cache. The key: device-f
 
 import dataclasses
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 from jax._src import monitoring
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.executable_store import ExecutableStore
+from jaxrl.executable_store import ExecutableStore, max_bytes_from_env
 from jaxrl.rollout import SamplingParams, generate, model_step
 from jaxrl.rollout.executor import CACHE, padding_batch, decode_inputs
 from models import PRESETS, init
@@ -117,6 +119,45 @@ def test_a_corrupted_file_is_removed_and_compiled_again(weights, prompts, refere
     assert CACHE.compiles - before[0] == CACHE.loads - before[1]
 
 
+def test_a_load_marks_its_file_used_and_a_save_past_the_bound_removes_the_least_recently_used(
+        weights, prompts, reference, store, tmp_path, caplog):
+    _run(weights, prompts)
+    files = sorted(store.directory.glob("*.exe"))
+    for f in files:
+        os.utime(f, (1e9, 1e9))                                 # long unused
+    CACHE.clear()
+    assert _run(weights, prompts) == reference                  # every program loaded: each file marked used
+    assert all(f.stat().st_mtime > time.time() - 600 for f in files)
+
+    bounded = ExecutableStore(tmp_path / "bounded", max_bytes=1000)
+    bounded.directory.mkdir()
+    paths = [bounded.directory / f"{name}.exe" for name in "abcd"]
+    for i, p in enumerate(paths[:3]):
+        p.write_bytes(bytes(300))
+        os.utime(p, (1e9 + i, 1e9 + i))
+    bounded.added(paths[2])                                     # counted: 900 bytes, within the bound
+    assert all(p.exists() for p in paths[:3])
+    os.utime(paths[0])                                          # a loaded: now the most recently used
+    paths[3].write_bytes(bytes(300))
+    with caplog.at_level(logging.INFO, logger="jaxrl.executable_store"):
+        bounded.added(paths[3])                                 # 1200 > 1000: trimmed to 90%, oldest first
+    assert [p.exists() for p in paths] == [True, False, True, True]
+    assert any("removed the 1 least recently used" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("value,gb", [(None, 2.0), ("0.5", 0.5), ("0", None), ("-1", None), ("lots", None)])
+def test_the_bound_comes_from_the_environment(monkeypatch, value, gb):
+    if value is None:
+        monkeypatch.delenv("JAXRL_EXECUTABLE_STORE_MAX_GB", raising=False)
+    else:
+        monkeypatch.setenv("JAXRL_EXECUTABLE_STORE_MAX_GB", value)
+    if gb is None:
+        with pytest.raises(ValueError, match="JAXRL_EXECUTABLE_STORE_MAX_GB.*positive number"):
+            max_bytes_from_env()
+    else:
+        assert max_bytes_from_env() == int(gb * 2**30)
+
+
 def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(tmp_path):
     """The bytes of an executable JAX's cache loaded are found by the object's id, checked by its fingerprint; XLA:CPU
     gives a program without inputs an empty one, so an id reused by such a program (seen: a stale entry's
@@ -124,7 +165,7 @@ def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(
     a stale entry (its fingerprint tells it apart: two clean-clone suite runs kept one of the rollout's programs
     from the store that way, and the count checks above failed). A program without a fingerprint under a stale
     entry is not stored either (given the stale entry's bytes, the blockwise backward's `_zero_acc` crashed)."""
-    from jaxrl import executable_store
+    from jaxrl import serialized_executable
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     x = jax.device_put(np.ones(3, np.float32), NamedSharding(mesh, PartitionSpec()))
@@ -132,12 +173,12 @@ def test_a_program_jax_loaded_is_not_stored_when_its_bytes_cannot_be_told_apart(
     assert no_inputs.runtime_executable().fingerprint == b""
     store = ExecutableStore(tmp_path)
     entry = store.entry("decode", model_step.decode_step, (x,), {"cfg": CFG, "impl": "xla"})
-    table = executable_store._FROM_JAX_CACHE
+    table = serialized_executable.FROM_JAX_CACHE
     for noted in (b"", b"another program's fingerprint"):       # its own entry, or a stale one: cannot tell
         table[id(no_inputs.runtime_executable())] = (noted, "a key of another program")
         try:
             with pytest.raises(ValueError, match="cannot tell"):
-                executable_store._jax_cache_bytes(no_inputs.runtime_executable())
+                serialized_executable.jax_cache_bytes(no_inputs.runtime_executable())
             assert entry.save(no_inputs) is False and not list(tmp_path.glob("*.exe"))
         finally:
             table.pop(id(no_inputs.runtime_executable()), None)

@@ -47,7 +47,7 @@ PACKAGES = ("jaxrl", "models", "kernels", "sharding")
 # `jaxrl/rollout` -> `jaxrl/train` stages -> `jaxrl/flow` -> trainer and entry points". Refinements
 # made here, inside that order: `jaxrl.runtime` (process-wide JAX settings, imports nothing of ours but
 # `jaxrl.compile_log`, the per-program log it starts; `jaxrl.executable_store`, the cache beside JAX's persistent
-# one, sits with it) is the lowest `jaxrl` layer; `jaxrl.config` sits above `jaxrl.algos`, whose registries it validates
+# one, and `jaxrl.serialized_executable`, its files' format, sit with it) is the lowest `jaxrl` layer; `jaxrl.config` sits above `jaxrl.algos`, whose registries it validates
 # against, and below everything that is configured (module docstring); `jaxrl.rewards` sits below
 # `jaxrl.data`, whose opt-in code task is scored by the code reward. An entry names a module or a
 # package (all of its modules); the longest matching entry wins.
@@ -55,7 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),
     ("models",),
     ("sharding",),
-    ("jaxrl.runtime", "jaxrl.compile_log", "jaxrl.executable_store", "jaxrl.algos"),
+    ("jaxrl.runtime", "jaxrl.compile_log", "jaxrl.executable_store", "jaxrl.serialized_executable", "jaxrl.algos"),
     ("jaxrl.config",),
     ("jaxrl.rewards",),
     ("jaxrl.data", "jaxrl.envs"),        # envs: environments stepped in the reward pool's workers
