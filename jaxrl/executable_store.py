@@ -297,7 +297,10 @@ class Entry:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self.store.added(self.path)
+        try:
+            self.store.added(self.path)
+        except OSError as e:         # (another process trimmed it already, a file not ours to remove): still saved
+            log.warning("executable store %s: not trimmed (%s: %s)", self.store.directory, type(e).__name__, e)
         return True
 
 
@@ -313,10 +316,10 @@ def max_bytes_from_env() -> int:
         gb = float(text)
     except ValueError:
         gb = -1.0
-    if not gb > 0:
+    if not 0 < gb < 2**33:                            # (not NaN nor infinite: the store's bound is a size)
         raise ValueError(f"JAXRL_EXECUTABLE_STORE_MAX_GB={text!r}: a positive number of GB (default "
                          f"{DEFAULT_MAX_GB}); JAXRL_EXECUTABLE_STORE=0 turns the store off")
-    return int(gb * 2**30)
+    return max(1, int(gb * 2**30))
 
 
 @dataclasses.dataclass(frozen=True)

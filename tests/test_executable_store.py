@@ -123,6 +123,7 @@ def test_a_load_marks_its_file_used_and_a_save_past_the_bound_removes_the_least_
         weights, prompts, reference, store, tmp_path, caplog):
     _run(weights, prompts)
     files = sorted(store.directory.glob("*.exe"))
+    assert files
     for f in files:
         os.utime(f, (1e9, 1e9))                                 # long unused
     CACHE.clear()
@@ -139,13 +140,29 @@ def test_a_load_marks_its_file_used_and_a_save_past_the_bound_removes_the_least_
     assert all(p.exists() for p in paths[:3])
     os.utime(paths[0])                                          # a loaded: now the most recently used
     paths[3].write_bytes(bytes(300))
+    os.utime(paths[3], (1e9 - 1, 1e9 - 1))                      # the oldest time, but the file just written
     with caplog.at_level(logging.INFO, logger="jaxrl.executable_store"):
         bounded.added(paths[3])                                 # 1200 > 1000: trimmed to 90%, oldest first
     assert [p.exists() for p in paths] == [True, False, True, True]
     assert any("removed the 1 least recently used" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("value,gb", [(None, 2.0), ("0.5", 0.5), ("0", None), ("-1", None), ("lots", None)])
+def test_saves_past_the_bound_trim_the_store(weights, prompts, reference, store, tmp_path, monkeypatch, caplog):
+    _run(weights, prompts)
+    sizes = [f.stat().st_size for f in store.directory.glob("*.exe")]
+    assert len(sizes) >= 2                                      # (the decode and prefill steps)
+    bounded = ExecutableStore(tmp_path / "bounded", max_bytes=int(1.1 * max(sizes)))   # any one of them, not all
+    monkeypatch.setattr(ExecutableStore, "default", classmethod(lambda cls: bounded))
+    CACHE.clear()
+    with caplog.at_level(logging.INFO, logger="jaxrl.executable_store"):
+        assert _run(weights, prompts) == reference              # every program saved again, into the bounded store
+    left = [f.stat().st_size for f in bounded.directory.glob("*.exe")]
+    assert 0 < len(left) < len(sizes) and sum(left) <= bounded.max_bytes
+    assert any("least recently used" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("value,gb", [(None, 2.0), ("0.5", 0.5), ("0", None), ("-1", None), ("lots", None),
+                                      ("inf", None), ("nan", None)])
 def test_the_bound_comes_from_the_environment(monkeypatch, value, gb):
     if value is None:
         monkeypatch.delenv("JAXRL_EXECUTABLE_STORE_MAX_GB", raising=False)

@@ -36,7 +36,7 @@ import numpy as np
 from models import ModelConfig
 from sharding import Layout, ShardingRules
 
-from .executor import CACHE, Executor
+from .executor import CACHE, Executor, abstract
 from .kv_store import KVStore, SequenceKV
 from .scheduler import Scheduler, Sequence, SequenceState
 from .shapes import ShapeBuckets
@@ -186,8 +186,7 @@ class Instance:
         taken now (the rollout meanwhile donates its K/V), unless `stop` (a threading.Event) is set; returns
         1 if it was new. Any thread may run them (`jaxrl.train.background`)."""
         sh = self.shapes.exact()
-        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        w, kv = jax.tree.map(abstract, self.weights), KVStore(abstract(self.kv.k), abstract(self.kv.v))
+        w, kv = abstract(self.weights), KVStore(abstract(self.kv.k), abstract(self.kv.v))
         decode, prefill = (sh.cover_decode_shapes(), sh.cover_prefill_shapes()) if cover else \
             (sh.decode_shapes(), sh.prefill_shapes())
         ex = self.executor
