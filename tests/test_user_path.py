@@ -94,6 +94,8 @@ def test_startup_errors_are_one_line_and_create_nothing(tmp_path, user, capsys, 
     assert "does not match" in _startup_error(capsys, f"run_dir={run_dir}", f"model.hf_path={user / 'model'}",
                                               f"data.tokenizer={other}")
     assert "engine.max_seq_len" in _startup_error(capsys, f"run_dir={run_dir}", "engine.max_seq_len=100")
+    monkeypatch.setenv("JAXRL_EXECUTABLE_STORE_MAX_GB", "lots")        # read at the first compile: checked first
+    assert "JAXRL_EXECUTABLE_STORE_MAX_GB='lots'" in _startup_error(capsys, f"run_dir={run_dir}")
     assert not run_dir.exists()
 
 

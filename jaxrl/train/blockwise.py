@@ -72,7 +72,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl.rollout.executor import canonical
+from jaxrl.rollout.executor import abstract, canonical, out_abstract
 from kernels import attention
 from models import ModelConfig, decoder_stack, lora
 
@@ -80,7 +80,7 @@ from .batch import FIELDS
 from .distributed import allgather
 from .history_attention import Attn, history_attention, stored_history
 from .step import LossSpec, hidden_loss
-from .update import ZERO_SUMS, Updater, _abstract, _out_abstract, sums_shardings
+from .update import ZERO_SUMS, Updater, sums_shardings
 
 from jaxrl.config.train import BACKWARDS, KV_SOURCES  # noqa: E402,F401  (re-exported)
 
@@ -301,18 +301,18 @@ class BlockwiseUpdater(Updater):
         """Compile every executable `accumulate` runs for these (abstract) params and micro-batch (`kv`: the
         abstract rollout (K, V)), following the block step's outputs until they repeat; nothing runs.
         Returns the abstract sums."""
-        p, mb = _abstract(params), _abstract(mb)
+        p, mb = abstract(params), abstract(mb)
         at = history_sharding(mb["tokens"].sharding)
         P = self.padded_len(mb["tokens"].shape[1])
         if P != mb["tokens"].shape[1]:
-            mb = _out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
-        acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
-        hk, hv = (_out_abstract(self.cache.compile("store", self.store, _abstract(kv), sharding=at))
-                  if kv is not None else _out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
-        gk, gv = _out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))
+            mb = out_abstract(self.cache.compile("pad", self.pad, mb, length=P))
+        acc = out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
+        hk, hv = (out_abstract(self.cache.compile("store", self.store, abstract(kv), sharding=at))
+                  if kv is not None else out_abstract(self.cache.compile("kv", self.kv_fn, p, mb, sharding=at)))
+        gk, gv = out_abstract(self.cache.compile("zero_kv", self.zero_kv, hk, sharding=at))
         start = np.int32(0)
         for _ in range(3):      # the step's outputs feed it again: follow them until they repeat
-            out = _out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start,
+            out = out_abstract(self.cache.compile("block", self.step_fn, p, mb, hk, hv, gk, gv, acc, start,
                                                    sharding=at))
             if self.cache.key("x", out) == self.cache.key("x", (gk, gv, acc)):
                 break
@@ -324,15 +324,15 @@ class BlockwiseUpdater(Updater):
         ShapeDtypeStructs with shardings), following output shardings to a fixed point; nothing runs.
         `kv`: abstract (K, V) of the rollout's cache (kv_source="rollout"). Returns new compilations."""
         before = self.cache.compiles
-        p, o, mb = _abstract(params), _abstract(opt_state), _abstract(mb)
+        p, o, mb = abstract(params), abstract(opt_state), abstract(mb)
         logp_mb = {k: mb[k] for k in FIELDS}
         for extra in logp_params:
-            self.cache.compile("logp", self.logp, _abstract(extra), logp_mb)
+            self.cache.compile("logp", self.logp, abstract(extra), logp_mb)
         for _ in range(3):
             if own_logp:
                 self.cache.compile("logp", self.logp, p, logp_mb)
             acc = self.warm_accumulate(p, mb, kv)
-            new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc[0], 1.0, acc[1]))
+            new_p, new_o, _ = out_abstract(self.cache.compile("apply", self.apply, p, o, acc[0], 1.0, acc[1]))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break
             p, o = new_p, new_o

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 from jaxrl import algos
+from jaxrl.rollout.executor import abstract, out_abstract
 
 from .batch import FIELDS
-from .update import _abstract, _out_abstract
 
 
 def own_old_logp(cfg) -> bool:
@@ -105,16 +105,16 @@ def warm(uc, params, mb: dict) -> tuple[dict, int]:
     a, mb = cfg.algo, dict(mb)
     if a.objective == "ppo":
         return mb, 0
-    pass_out = _out_abstract(cache.compile("logp", uc.updater.logp, _abstract(params), {k: mb[k] for k in FIELDS}))
+    pass_out = out_abstract(cache.compile("logp", uc.updater.logp, abstract(params), {k: mb[k] for k in FIELDS}))
     if own_old_logp(cfg):
         mb["old_logp"] = pass_out
     if a.objective == "decoupled":
         exe = cache.compile("is_weights", _weights, pass_out, mb["behav_logp"], mb["loss_mask"], cap=a.is_cap,
                             mode=a.is_correction)
-        mb["is_weight"] = _out_abstract(exe)[0]
+        mb["is_weight"] = out_abstract(exe)[0]
         del mb["behav_logp"]
     if a.objective == "gspo":
         cache.compile("seq_ratio", _ratio, mb["old_logp"], mb["old_logp"], mb["segment_ids"], mb["loss_mask"])
         exe = cache.compile("seq_ratio", _ratio, pass_out, mb["old_logp"], mb["segment_ids"], mb["loss_mask"])
-        mb["seq_ratio"] = _out_abstract(exe)
+        mb["seq_ratio"] = out_abstract(exe)
     return mb, cache.compiles - before

@@ -29,14 +29,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import algos
-from jaxrl.rollout.executor import ExecutableCache
+from jaxrl.rollout.executor import ExecutableCache, abstract, out_abstract
 from models import forward, lora
 
 from . import rl
 from .distributed import global_sum
 from .optim import init_state, make_optimizer
 from .step import make_apply_update
-from .update import ZERO_SUMS, _abstract, _out_abstract, sums_shardings, warm_sums
+from .update import ZERO_SUMS, sums_shardings, warm_sums
 
 VALUE_FIELDS = ("tokens", "positions", "segment_ids")
 TRAIN_FIELDS = VALUE_FIELDS + ("loss_mask", "weights", "returns", "old_values")
@@ -138,12 +138,12 @@ class Critic:
         before = self.cache.compiles
         like = mb["weights"]
         mb = {**{k: mb[k] for k in TRAIN_FIELDS if k in mb}, "returns": like, "old_values": like}
-        p, o = _abstract(self.params), _abstract(self.opt_state)
+        p, o = abstract(self.params), abstract(self.opt_state)
         for _ in range(3):
             self.cache.compile("critic_values", self._values, p, {k: mb[k] for k in VALUE_FIELDS})
-            acc = _out_abstract(self.cache.compile("critic_zeros", ZERO_SUMS, p, **sums_shardings(p), stats=STATS))
+            acc = out_abstract(self.cache.compile("critic_zeros", ZERO_SUMS, p, **sums_shardings(p), stats=STATS))
             acc = warm_sums(self.cache, "critic_grad", self._grad, p, mb, acc)
-            new_p, new_o, _ = _out_abstract(self.cache.compile("critic_apply", self._apply, p, o, acc[0], 1.0))
+            new_p, new_o, _ = out_abstract(self.cache.compile("critic_apply", self._apply, p, o, acc[0], 1.0))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break
             p, o = new_p, new_o

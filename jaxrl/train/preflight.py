@@ -1,4 +1,4 @@
-"""Start-up checks of `python -m jaxrl.train` that need no devices: paths, tokenizer, resume.
+"""Start-up checks of `python -m jaxrl.train` that need no devices: environment, paths, tokenizer, resume.
 
 The config validates its own values; what it cannot see — whether the model directory and the data
 file exist, which tokenizer goes with the model, whether the run directory already holds a run
@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jaxrl import executable_store
 from jaxrl.config import from_yaml, to_yaml
 from jaxrl.config.base import ConfigError
 from jaxrl.config.train import TrainConfig
@@ -235,8 +236,17 @@ def write_config(cfg: TrainConfig, plan: ResumePlan) -> None:
     (run_dir / plan.write_config).write_text(to_yaml(cfg))
 
 
+def check_environment() -> None:
+    """The environment variables read only at the first compilation (`jaxrl.executable_store`'s bound)."""
+    try:
+        executable_store.max_bytes_from_env()
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
 def preflight(cfg: TrainConfig, resume: str = "auto") -> ResumePlan:
     """Every check above, in order; returns the resume plan. Creates nothing."""
+    check_environment()
     check_paths(cfg)
     check_tokenizer(cfg)
     return plan_resume(cfg, resume)

@@ -61,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl.config.base import ConfigError
 from jaxrl.config.stream import StreamSection, check_stream
-from jaxrl.rollout.executor import abstract as _abstract
+from jaxrl.rollout.executor import abstract
 from models import fit_vocab, logical_axes, lora, vocab_rows
 from sharding import Layout, ShardingRules, reshard, shardings_for
 
@@ -285,7 +285,7 @@ class StreamTrainer:
         the K/V staging (kv_source=rollout), the zero sums and the gradient step."""
         sub = self._sub_for(devices, vocab_rows(params))
         placed = reshard(source, sub.params)[0]            # the weight copy's programs, run once
-        p = _abstract(placed)
+        p = abstract(placed)
         _delete([x for x in jax.tree.leaves(placed) if not any(x is y for y in jax.tree.leaves(source))])
         smb = self.gs.abstract_mb(sub.rows)
         if self.spec.kl_coef:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl.rollout.executor import ExecutableCache, canonical
-from jaxrl.rollout.executor import abstract as _abstract, out_abstract as _out_abstract
+from jaxrl.rollout.executor import abstract, out_abstract
 from models import lora
 
 from .batch import FIELDS
@@ -66,7 +66,7 @@ def warm_sums(cache: ExecutableCache, name: str, grad, params, mb, acc):
     """Compile `grad(params, mb, acc)` (abstract inputs), feeding its output sums back as `acc` until their
     placement repeats (at most 3 programs); returns the abstract sums."""
     for _ in range(3):
-        out = _out_abstract(cache.compile(name, grad, params, mb, acc))
+        out = out_abstract(cache.compile(name, grad, params, mb, acc))
         if cache.key("x", out) == cache.key("x", acc):
             break
         acc = out
@@ -114,8 +114,8 @@ class Updater:
     def warm_accumulate(self, params, mb: dict):
         """Compile every executable `accumulate` runs for these (abstract) params and micro-batch, the zero sums
         and the gradient, following the sums' shardings; nothing runs. Returns the abstract sums (where they live)."""
-        p, mb = _abstract(params), _abstract(mb)
-        acc = _out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
+        p, mb = abstract(params), abstract(mb)
+        acc = out_abstract(self.cache.compile("zeros", ZERO_SUMS, p, **sums_shardings(p)))
         return warm_sums(self.cache, "grad", self.grad, p, mb, acc)
 
     def reset_counts(self):
@@ -132,14 +132,14 @@ class Updater:
         too (`needs_policy_logprobs`). Nothing runs and nothing is donated. Returns the number of new
         compilations."""
         before = self.cache.compiles
-        p, o, mb = _abstract(params), _abstract(opt_state), _abstract(mb)
+        p, o, mb = abstract(params), abstract(opt_state), abstract(mb)
         for extra in logp_params:          # e.g. the reference policy's weights
-            self.cache.compile("logp", self.logp, _abstract(extra), {k: mb[k] for k in FIELDS})
+            self.cache.compile("logp", self.logp, abstract(extra), {k: mb[k] for k in FIELDS})
         for _ in range(3):
             if own_logp:
                 self.cache.compile("logp", self.logp, p, {k: mb[k] for k in FIELDS})
             acc2 = self.warm_accumulate(p, mb)
-            new_p, new_o, _ = _out_abstract(self.cache.compile("apply", self.apply, p, o, acc2[0], 1.0, acc2[1]))
+            new_p, new_o, _ = out_abstract(self.cache.compile("apply", self.apply, p, o, acc2[0], 1.0, acc2[1]))
             if self.cache.key("x", (new_p, new_o)) == self.cache.key("x", (p, o)):
                 break
             p, o = new_p, new_o
