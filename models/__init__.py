@@ -26,3 +26,6 @@ __all__ += ["ATTENTION_IMPLS", "REMAT_POLICIES", "decoder_layer", "decoder_stack
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
 
 __all__ += ["CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "save_tokenizer"]
+from .gguf import GGUFError, convert_gguf  # noqa: E402
+
+__all__ += ["GGUFError", "convert_gguf"]
