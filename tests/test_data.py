@@ -22,10 +22,12 @@ def test_jsonl_loads_rows_with_default_and_explicit_task(tmp_path):
         json.dumps({"problem": "rev ab", "answer": "ba", "task": "reverse"}),
     ])
     ds = PromptDataset.from_jsonl(p, prompt_key="problem")
-    assert list(ds) == [{"prompt": "1+1?", "answer": "2", "task": "math"},
+    assert list(ds) == [{"prompt": "1+1?", "answer": "2", "task": "math", "solution": "..."},   # other columns kept
                         {"prompt": "rev ab", "answer": "ba", "task": "reverse"}]
     assert ds.skipped == 0 and ds.skipped_example is None
     assert PromptDataset.from_file(p, prompt_key="problem").rows == ds.rows
+    assert PromptDataset.from_jsonl(p, prompt_key="problem", extra_columns=()).rows[0] == \
+        {"prompt": "1+1?", "answer": "2", "task": "math"}
 
 
 def test_jsonl_malformed_rows_are_skipped_counted_and_logged(tmp_path, caplog):
@@ -64,8 +66,8 @@ def test_parquet_loads_only_valid_rows(tmp_path):
     path = tmp_path / "d.parquet"
     pq.write_table(table, path, row_group_size=2)
     ds = PromptDataset.from_parquet(path, prompt_key="problem")
-    assert list(ds) == [{"prompt": "a?", "answer": "1", "task": "math"},
-                        {"prompt": "d?", "answer": "4", "task": "math"}]
+    assert list(ds) == [{"prompt": "a?", "answer": "1", "task": "math", "solution": "s"},
+                        {"prompt": "d?", "answer": "4", "task": "math", "solution": "s"}]
     assert ds.skipped == 2 and "row 1" in ds.skipped_example and "NoneType" in ds.skipped_example
     assert PromptDataset.from_file(path, prompt_key="problem").rows == ds.rows
 
@@ -74,6 +76,36 @@ def test_parquet_loads_only_valid_rows(tmp_path):
         PromptDataset.from_parquet(path)
     with pytest.raises(ValueError, match=r"no column\(s\) \['question'\]"):
         PromptDataset.from_parquet(path, prompt_key="question")
+
+
+def test_extra_columns_survive_loading_jsonl_and_parquet(tmp_path, caplog):
+    """JSON values of other columns are kept as they are (nested, null, missing in a JSONL row: absent); taken
+    names and Parquet columns of a non-JSON type are not, with one warning each naming them."""
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", [
+        json.dumps({"prompt": "p", "answer": "1", "level": 3, "meta": {"tags": ["x"]}, "hint": None, "index": 9}),
+        json.dumps({"prompt": "q", "answer": "2", "response": "taken", "level": 4})])
+    with caplog.at_level(logging.WARNING, logger="jaxrl.data.dataset"):
+        rows = PromptDataset.from_jsonl(jsonl).rows
+    assert rows == [{"prompt": "p", "answer": "1", "task": "math", "level": 3, "meta": {"tags": ["x"]}, "hint": None},
+                    {"prompt": "q", "answer": "2", "task": "math", "level": 4}]
+    assert "['index', 'response'] not kept: the name is taken" in caplog.text
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"problem": ["a?", "b?"], "answer": ["1", "2"], "prompt": ["x", "y"], "level": [1, None],
+                             "tags": [["a"], []], "when": [datetime.datetime(2024, 1, 1)] * 2}), path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxrl.data.dataset"):
+        rows = PromptDataset.from_parquet(path, prompt_key="problem").rows
+    assert rows == [{"prompt": "a?", "answer": "1", "task": "math", "level": 1, "tags": ["a"]},
+                    {"prompt": "b?", "answer": "2", "task": "math", "level": None, "tags": []}]
+    assert "['when'] not read: not a JSON-like type (timestamp[us])" in caplog.text
+    assert "['prompt'] not kept" in caplog.text          # the renamed prompt column's place is taken
+    assert PromptDataset.from_parquet(path, prompt_key="problem", extra_columns=["level"]).rows[1] == \
+        {"prompt": "b?", "answer": "2", "task": "math", "level": None}
 
 
 def test_builtin_dataset():

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from jaxrl.envs import (EnvLimits, EnvRunner, Environment, FormatError, Step, ToolEnv, calculator, parse_tool_calls,
-                        render_responses, truncate)
+from jaxrl.envs import (EnvLimits, EnvRunner, Environment, FormatError, GymEnv, Step, ToolEnv, calculator,
+                        env_factory, make_env, parse_tool_calls, render_responses, truncate)
 from jaxrl.envs import _testing
 from jaxrl.rewards import RewardPool
 
@@ -152,3 +152,37 @@ def test_a_cancelled_step_never_comes_back(pool):
     runner.cancel("gone")
     got = _run(runner, [])
     assert set(got) == {"kept"} and runner.pending == 0 and "gone" not in runner.turns
+
+
+def test_gym_style_environments_are_adapted(pool):
+    """No base class: `reset(row)` -> None and `step` -> (observation, reward, done); gymnasium's signatures:
+    `reset(options=row)` -> (obs, info) and the 5-tuple (truncated ends the trajectory, info dropped). Stepped in
+    the runner's worker processes, the state travelling as for any environment."""
+    runner = EnvRunner(pool, EnvLimits(max_turns=8, step_timeout_s=5.0))
+    env = make_env(T + "GymGuess")
+    assert isinstance(env, GymEnv) and env.reset({"answer": "7", "task": "t"}) == ""
+    env, step = _run(runner, [("g", env, "3")])["g"]
+    assert step == Step("no (1)", 0.0, False)
+    env, step = _run(runner, [("g", env, " 7 ")])["g"]
+    assert step == Step("", 0.5, True) and env.env.tries == 2
+    env = make_env(T + "GymnasiumStyle")
+    assert env.reset({"prompt": "P", "answer": "a", "task": "t"}) == " [start]"
+    env, step = _run(runner, [("h", env, "x")])["h"]
+    assert step == Step("P#1", 0.5, False)             # (its info's "status" is not read as the step's)
+    env, step = _run(runner, [("h", env, "x")])["h"]
+    assert step == Step("P#2", 0.5, True)
+    assert make_env("calculator").__class__ is ToolEnv
+
+
+@pytest.mark.parametrize("name, why", [
+    ("ResetWithoutRow", "ResetWithoutRow.reset() cannot be called as reset(self, row)"),
+    ("StepWithoutText", "StepWithoutText.step() cannot be called as step(self, text)"),
+    ("exact", "exact(response, answer, task) needs arguments; name a class made with none, or a zero-argument "
+              "factory"),
+    ("malformed", "malformed() made a dict, not an environment: a jaxrl.envs.Environment, or a gym-style class "
+                  "with reset(row) and step(text)"),
+])
+def test_an_environment_that_cannot_run_is_refused_in_one_line(name, why):
+    with pytest.raises(ValueError) as e:
+        env_factory(T + name)
+    assert str(e.value) == f"environment '{T}{name}': {why}"

@@ -24,8 +24,8 @@ SMALL = ["algo.prompts_per_step=4", "algo.group_size=2", "rollout.max_new_tokens
          "trainer.warmup=false"]   # short runs: compiling every bucket up front would dominate them
 
 REWARDS = '''
-def quarter(response, answer, task):
-    return 0.25
+def quarter(response, answer, *, prompt, level):     # the row's prompt and its own "level" column, by name
+    return 0.25 if prompt.startswith("what is") and level == len(answer) else 0.0
 
 
 def half(response, answer, task):
@@ -42,8 +42,8 @@ def user(tmp_path_factory):
     """What a user brings: an HF checkpoint directory, a JSONL file, a module with reward functions."""
     d = tmp_path_factory.mktemp("user")
     write_tiny_checkpoint(d / "model")
-    rows = [{"prompt": f"what is {a} + {b}?", "answer": str(a + b), "task": "sum", "reward": "my_rewards:quarter"}
-            for a in range(6) for b in range(4)]
+    rows = [{"prompt": f"what is {a} + {b}?", "answer": str(a + b), "task": "sum", "reward": "my_rewards:quarter",
+             "level": len(str(a + b))} for a in range(6) for b in range(4)]
     (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "math.jsonl").write_text("".join(json.dumps({"problem": r["prompt"], "answer": r["answer"]}) + "\n"
                                           for r in rows))
@@ -106,6 +106,15 @@ def test_bad_reward_name_stops_before_anything_compiles(tmp_path, user, capsys):
                          "rewards.fn=no_such_module:f")
     assert "no_such_module" in err
     assert not run_dir.exists()
+    common = [f"run_dir={run_dir}", f"model.hf_path={user / 'model'}", f"data.source={user / 'math.jsonl'}",
+              "data.prompt_key=problem", "rewards.num_workers=1"]
+    err = _startup_error(capsys, *common, "rewards.fn=jaxrl.rewards._testing:rowwise")   # a column no row has
+    assert ("reward 'jaxrl.rewards._testing:rowwise': rowwise(response, answer, *, prompt, difficulty) requires "
+            "parameter 'difficulty', which not every row provides (rows have: answer, prompt, task;") in err
+    err = _startup_error(capsys, *common, "rollout.env=jaxrl.envs._testing:ResetWithoutRow")   # before the warm-up
+    assert err.endswith("rollout.env: environment 'jaxrl.envs._testing:ResetWithoutRow': ResetWithoutRow.reset() "
+                        "cannot be called as reset(self, row)"), err
+    assert not run_dir.exists()
     bad = tmp_path / "empty_answers.jsonl"            # rows, but none usable: one line naming the file and row
     bad.write_text(json.dumps({"prompt": "what is 1 + 1?", "answer": ""}) + "\n")
     err = _startup_error(capsys, f"run_dir={run_dir}", f"data.source={bad}")
@@ -131,7 +140,7 @@ def test_own_model_data_and_reward_then_resume_against_another_config(tmp_path, 
     assert "warm start skipped" in p.stdout and "'sum'" in p.stdout
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
-    assert all(r["reward_mean"] == 0.25 for r in rows)            # the row's "reward" wins over rewards.fn
+    assert all(r["reward_mean"] == 0.25 for r in rows)  # the row's "reward" wins over rewards.fn; it got prompt, level
     assert (run_dir / "hf" / "tokenizer.json").read_text() == (user / "model" / "tokenizer.json").read_text()
     assert (run_dir / "curves.png").stat().st_size > 0
     assert f"outputs in {run_dir}" in p.stdout and f"tensorboard --logdir {run_dir / 'tb'}" in p.stdout

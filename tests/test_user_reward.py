@@ -1,5 +1,6 @@
 """A user's own reward function in training: data field, rewards.fn, rewards.registry, the start-up check
-(here and in a worker), user modules on PYTHONPATH / in the start directory, and all-failed steps.
+(here and in a worker), user modules on PYTHONPATH / in the start directory, all-failed steps, and rewards that
+take the row's prompt and columns by name (`jaxrl.rewards.calling`).
 
 Pools have one worker (or none); the rollout is a fake service, so nothing compiles. Reward modules that
 workers must import are written to tmp_path and reached through sys.path or PYTHONPATH.
@@ -17,7 +18,8 @@ import pytest
 
 from jaxrl.config.train import TrainConfig
 from jaxrl.data import PromptDataset
-from jaxrl.rewards import RewardPool, check_rewards, reward_name, reward_names
+from jaxrl.rewards import (RewardPool, RewardScheduler, check_rewards, reward_columns, reward_item, reward_name,
+                           reward_names)
 from jaxrl.rollout import Completion
 from jaxrl.train import rl
 
@@ -281,3 +283,98 @@ def test_failure_guard_on_rollout_stats():
     one = rl.RewardFailureGuard(1)
     with pytest.raises(RuntimeError, match="failed in 1 step in a row"):
         one.update(stats)
+
+
+# ------------------------------------------------------------------------------------------- row-aware rewards
+ROW = {"prompt": "P?", "answer": "A", "task": "t", "difficulty": 3, "meta": {"k": [1]}, "index": 7, "reward": "x"}
+
+
+def test_reward_item_passes_only_what_the_signature_names():
+    """Decided from the signature: old-style gets nothing, named parameters their values, `**row` every row value
+    but the three positional ones (never the loader's index or the reward name), TRL's form `prompts` and the rest."""
+    assert reward_item(T + "old_style", "r", ROW) == (T + "old_style", "r", "A", "t", None)
+    assert reward_item("math", "r", ROW).extra is None and reward_item("code", "r", ROW).extra is None
+    assert reward_item(T + "rowwise", "r", ROW).extra == {"prompt": "P?", "difficulty": 3}
+    assert reward_item(T + "takes_all", "r", ROW).extra == {"prompt": "P?", "difficulty": 3, "meta": {"k": [1]}}
+    assert reward_item(T + "trl_style", "r", ROW).extra == {"prompts": "P?", "answer": "A", "task": "t",
+                                                            "difficulty": 3, "meta": {"k": [1]}}
+    with pytest.raises(KeyError, match="unknown reward 'nope'"):
+        reward_item("nope", "r", ROW)
+
+
+def _results(pool, items):
+    ids = [pool.submit(it) for it in items]
+    got = {}
+    while len(got) < len(ids):
+        got.update((r.id, r) for r in pool.poll(timeout=5.0))
+    return [got[i] for i in ids]
+
+
+def test_row_aware_rewards_in_a_worker_process():
+    """Through a real worker process: each function gets exactly what it names; TRL's form scores one completion;
+    the trainer's two submit sites (streamed, and the whole batch after the rollout) send the row's values."""
+    rows = [{k: v for k, v in dict(ROW, index=i, difficulty=d).items() if k != "reward"} for i, d in ((0, 3), (1, 5))]
+    with RewardPool(num_workers=1, timeout_s=10.0) as pool:
+        old, row, every, trl = _results(pool, [reward_item(T + f, "resp", ROW) for f in
+                                               ("old_style", "rowwise", "takes_all", "trl_style")])
+        assert [r.status for r in (old, row, every, trl)] == ["ok"] * 4, [r.error for r in (old, row, every, trl)]
+        assert old.info == {"args": ["resp", "A", "t"]}
+        assert (row.score, row.info) == (3.0, {"response": "resp", "answer": "A", "prompt": "P?"})
+        assert every.info == {"row": {"prompt": "P?", "difficulty": 3, "meta": {"k": [1]}}}
+        assert trl.score == 34.0
+        base = TrainConfig()
+        cfg = dataclasses.replace(base, algo=dataclasses.replace(base.algo, group_size=2),
+                                  rewards=dataclasses.replace(base.rewards, fn=T + "trl_style"))
+        _, streamed, stats = rl.rollout_and_score(FakeService(), pool, FakeTokenizer(), cfg, [[1]] * 2, rows, 0, [0])
+        # responses by request id: "a", "bb" | "ccc", "dddd" -> 10 x difficulty + length
+        assert streamed.tolist() == [31.0, 32.0, 53.0, 54.0] and stats["crashes"] == 0, stats["first_error"]
+        comps = [Completion(k, [1], [ord("a")] * (k + 1), [], "stop", 0) for k in range(4)]
+        batch, _ = rl.score_batch(RewardScheduler(pool), FakeTokenizer(), cfg, rows, comps, 2)
+        assert batch.tolist() == streamed.tolist()
+        # the start-up check's worker side checks signatures too (test_check_rewards_refuses_a_signature_no_row_fits)
+        assert pool.check({T + "rowwise": ("answer", "prompt", "task"), T + "takes_all": ("answer",),
+                           "math": None}).keys() == {T + "rowwise"}
+
+
+class _Capture:
+    """Stands in for a RewardPool: keeps what the scheduler submits."""
+
+    def __init__(self):
+        self.items = []
+
+    def submit(self, item, timeout_s=None):
+        self.items.append(item)
+        return len(self.items)
+
+
+def test_code_rewards_scheduler_keywords_merge_with_the_row_values():
+    tests = json.dumps({"tests": [{"stdin": "1\n", "stdout": "1\n"}]})
+    pool = _Capture()
+    sched = RewardScheduler(pool, code_fns=(T + "takes_all",))
+    sched.submit("k", reward_item(T + "takes_all", "print(1)", dict(ROW, answer=tests)))
+    extra = pool.items[0].extra
+    assert {"prompt", "difficulty", "meta", "timeouts", "details", "limits"} == set(extra) and extra["difficulty"] == 3
+
+
+def test_check_rewards_refuses_a_signature_no_row_fits():
+    """One line naming the function, its signature and the parameter; the columns are those every row scored by
+    the function has; names alone are checked against the built-in rows' columns; a worker checks the same."""
+    rows = [dict(ROW, reward=T + "rowwise"), {"prompt": "q", "answer": "b", "task": "t", "reward": T + "rowwise"},
+            {"prompt": "q", "answer": "b", "task": "t"}]
+    cols = reward_columns(rows, T + "old_style")
+    assert cols == {T + "rowwise": {"prompt", "answer", "task"}, T + "old_style": {"prompt", "answer", "task"}}
+    assert reward_names(rows, T + "old_style", columns=True) == cols
+    with RewardPool(num_workers=0) as pool:
+        with pytest.raises(ValueError) as e:
+            check_rewards(cols, pool)
+        check_rewards(reward_columns(rows[:1], None), pool)        # every row has the column: fine
+        check_rewards([T + "takes_all", T + "trl_style", "math", "code", "builtin"], pool)
+        with pytest.raises(ValueError, match=rf"^reward '{T}no_positional': no_positional\(\*, prompt\) takes "
+                                             "no positional parameter"):
+            check_rewards([T + "no_positional"], pool)
+        with pytest.raises(ValueError, match="requires parameter 'difficulty'"):
+            check_rewards([T + "rowwise"], pool)
+    msg = str(e.value)
+    assert msg.startswith(f"reward '{T}rowwise': rowwise(response, answer, *, prompt, difficulty) "
+                          "requires parameter 'difficulty', which not every row provides (rows have: answer, prompt, "
+                          "task; ") and "\n" not in msg

@@ -73,3 +73,45 @@ class Echo(Environment):
         score = builtin_reward(action, self.answer, self.task)
         reward, self.score = score - self.score, score
         return Step(observation=f"ok{self.n}", reward=reward)
+
+
+class GymGuess:
+    """Gym-style, no base class: `reset(row)` returns None, `step` the 3-tuple (observation, reward, done)."""
+
+    def reset(self, row):
+        self.answer, self.tries = row["answer"], 0
+
+    def step(self, text):
+        self.tries += 1
+        ok = text.strip() == self.answer
+        return ("" if ok else f"no ({self.tries})"), 1.0 / self.tries if ok else 0.0, ok
+
+
+class GymnasiumStyle:
+    """Gymnasium's signatures: `reset(*, seed=None, options=None)` -> (obs, info) with the row as `options`;
+    `step` -> (obs, reward, terminated, truncated, info), truncated at the second step."""
+
+    def reset(self, *, seed=None, options=None):
+        self.n, self.prompt = 0, options["prompt"]
+        return " [start]", {"seed": seed}
+
+    def step(self, action):
+        self.n += 1
+        return f"{self.prompt}#{self.n}", 0.5, False, self.n >= 2, {"status": "not a runner status"}
+
+
+class ResetWithoutRow:
+    """Wrong arity: its reset takes no row."""
+
+    def reset(self):
+        return ""
+
+    def step(self, text):
+        return "", 0.0, True
+
+
+class StepWithoutText(Environment):
+    """Wrong arity on a subclass: its step takes no text."""
+
+    def step(self):
+        return Step(done=True)

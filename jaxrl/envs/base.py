@@ -14,6 +14,9 @@ An instance is one trajectory's state and must be picklable: each `step` runs in
 hard timeout, crashes contained: `jaxrl.envs.runner`) and the instance travels there and back, so it is also a
 value a checkpoint can hold. A step that fails (raises, hangs past its timeout, kills its worker) leaves the
 instance as it was before that step.
+
+A gym-style class (no base class; `reset(row)`, `step(text)` returning `(observation, reward, done)` or gymnasium's
+5-tuple) is adapted to this API by `jaxrl.envs.adapter.GymEnv`; every environment's methods are checked at start-up.
 """
 
 from __future__ import annotations

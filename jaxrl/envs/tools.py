@@ -25,7 +25,8 @@ import operator
 import re
 import time
 
-from jaxrl.rewards.registry import resolve
+from jaxrl.rewards.calling import RewardItem, invoke
+from jaxrl.rewards.registry import resolve, reward_item
 from jaxrl.rewards.sandbox import run_program
 
 from .base import Environment, Step
@@ -149,10 +150,13 @@ class ToolEnv(Environment):
         self.reward, self.max_output_chars = reward, int(max_output_chars)
         self.format_error = format_error
         self.answer = self.task = ""
+        self.item = RewardItem(reward, "", "", "")
 
     def reset(self, row: dict) -> str:
+        """Keeps the row's answer, task, reward and the row values its reward takes by name (`reward_item`)."""
         self.answer, self.task = str(row.get("answer", "")), str(row.get("task", ""))
         self.reward = row.get("reward", self.reward)
+        self.item = reward_item(self.reward, "", {**row, "answer": self.answer, "task": self.task})
         return ""
 
     def step(self, action: str) -> Step:
@@ -161,7 +165,8 @@ class ToolEnv(Environment):
         except FormatError as e:
             return Step(self.format_error.format(error=e), info={"format_errors": 1})
         if not calls:
-            return Step(reward=float(resolve(self.reward)(action, self.answer, self.task)), done=True)
+            item = self.item._replace(response=action)
+            return Step(reward=float(invoke(resolve(item.fn), item)), done=True)
         outputs, errors, t0 = [], 0, time.perf_counter()
         for name, args in calls:
             try:

@@ -2,10 +2,12 @@
 
     from jaxrl.rewards import RewardPool, check_rewards, reward_name, reward_names
     with RewardPool(num_workers=4, timeout_s=5.0) as pool:
-        check_rewards(reward_names(rows, fn, registry), pool)   # start-up: every name resolves, or ValueError
-        scores, stats = pool.score([(reward_name(row, fn, registry), response, row["answer"], row["task"]), ...])
+        check_rewards(reward_columns(rows, fn, registry), pool)  # start-up: every name resolves and fits its rows
+        scores, stats = pool.score([reward_item(reward_name(row, fn, registry), response, row), ...])
 
-A reward is `fn(response: str, answer: str, task: str) -> float`, named by a registered name ("math":
+A reward is `fn(response: str, answer: str, task: str) -> float`, which may also take the row's prompt and
+columns by name (`fn(response, answer, *, prompt, difficulty)`, `**row`; TRL's `fn(completions, **kwargs)`
+too: `calling`), named by a registered name ("math":
 math-verify equivalence, "builtin": the synthetic tasks' own scorers) or an import path
 "package.module:function". **Your own reward**: put the function in a module importable in a fresh
 interpreter (the directory `python -m jaxrl.train` starts in, `PYTHONPATH`, or an installed package)
@@ -24,8 +26,8 @@ adaptive timeouts (`AdaptiveTimeouts`, `timeouts`).
 from .code import CodeCase, CodeSpec, case_keys, code_reward, parse_spec
 from .math import math_reward
 from .pool import RewardItem, RewardPool, RewardResult
-from .registry import (REWARD_FNS, RewardLookupError, check_rewards, resolve, reward_fn_for, reward_name,
-                       reward_names)
+from .registry import (REWARD_FNS, RewardLookupError, check_rewards, resolve, reward_columns, reward_fn_for,
+                       reward_item, reward_name, reward_names)
 from .sandbox import ProgramResult, SandboxLimits, run_program, run_tests
 from .scheduler import CompletedGroup, Polled, RewardScheduler, ScoredResponse
 from .timeouts import AdaptiveTimeouts
@@ -33,4 +35,5 @@ from .timeouts import AdaptiveTimeouts
 __all__ = ["REWARD_FNS", "AdaptiveTimeouts", "CodeCase", "CodeSpec", "CompletedGroup", "Polled", "ProgramResult",
            "RewardItem", "RewardLookupError", "RewardPool", "RewardResult", "RewardScheduler", "SandboxLimits",
            "ScoredResponse", "case_keys", "check_rewards", "code_reward", "math_reward", "parse_spec",
-           "resolve", "reward_fn_for", "reward_name", "reward_names", "run_program", "run_tests"]
+           "resolve", "reward_columns", "reward_fn_for", "reward_item", "reward_name", "reward_names", "run_program",
+           "run_tests"]

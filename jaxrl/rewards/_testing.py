@@ -37,3 +37,29 @@ def raise_error(response: str, answer: str, task: str) -> float:
 
 def return_nan(response: str, answer: str, task: str) -> float:
     return float("nan")
+
+
+# ---------------------------------------------------------------- signatures (jaxrl.rewards.calling): what a call sees
+def rowwise(response: str, answer: str, *, prompt: str, difficulty) -> tuple[float, dict]:
+    """Takes the prompt and a column by name; scores the difficulty and reports what it got."""
+    return float(difficulty), {"response": response, "answer": answer, "prompt": prompt}
+
+
+def takes_all(response: str, answer: str, task: str, **row) -> tuple[float, dict]:
+    """`**row`: every other value of the row; reports them."""
+    return float(len(row)), {"row": row}
+
+
+def old_style(response: str, answer: str, task: str) -> tuple[float, dict]:
+    """Today's signature (any keyword argument would be a TypeError); reports its three values."""
+    return 1.0, {"args": [response, answer, task]}
+
+
+def trl_style(completions, prompts, **kwargs) -> list[float]:
+    """TRL's batched form: one-element lists in, a list of one score out (10 x difficulty + the response's length)."""
+    assert len(completions) == len(prompts) == 1 and all(len(v) == 1 for v in kwargs.values()), (completions, kwargs)
+    return [10.0 * kwargs["difficulty"][0] + len(completions[0])]
+
+
+def no_positional(*, prompt: str) -> float:
+    return 1.0

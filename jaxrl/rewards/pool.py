@@ -13,8 +13,10 @@
         pool.check(["math", "my_rewards:score"])   # {name: why it does not resolve in a worker}
 
 An item is `(fn, response, answer, task)` where `fn` names a reward function (`registry.resolve`), with
-an optional fifth element `extra`: a dict of keyword arguments for this item only (picklable; e.g. the
-code reward's per-test-case `timeouts`), called as `fn(response, answer, task, **extra)`. A function may
+an optional fifth element `extra`: a dict of keyword arguments for this item only (picklable; the row values
+the function takes, `registry.reward_item`, and e.g. the code reward's per-test-case `timeouts`), called as
+`fn(response, answer, task, **extra)` (its leading positional parameters only, or TRL's batched form:
+`jaxrl.rewards.calling.invoke`). A function may
 return a float, or a `(score, info)` pair whose `info` dict comes back as `RewardResult.info` (the code
 reward's per-case run times, which feed the adaptive timeouts). Every item ends with exactly one status:
 
@@ -80,7 +82,7 @@ import multiprocessing as mp
 import threading
 import time
 from multiprocessing.connection import wait as _mp_wait
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -312,20 +314,23 @@ class RewardPool:
                      seconds=time.monotonic() - t0)
         return np.asarray([r[0] for r in out], np.float32), stats
 
-    def check(self, names: Sequence[str]) -> dict[str, str]:
+    def check(self, names: Sequence[str] | Mapping[str, Sequence[str] | None]) -> dict[str, str]:
         """{name: why it does not resolve} for the names that fail in a worker's environment: a fresh
         process started exactly as the workers are (same start method, fork server and `sys.path`)
-        imports each one. In-process with `num_workers=0`. Waits at most `startup_timeout_s`; a name
-        whose import hangs or kills the process is reported as such."""
+        imports each one and checks its signature (`registry.problem`) against the columns `names` maps
+        it to (names alone: the built-in rows' columns). In-process with `num_workers=0`. Waits at most
+        `startup_timeout_s`; a name whose import hangs or kills the process is reported as such."""
         with self._cv:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
-        names = list(dict.fromkeys(names))
+        columns = dict(names) if isinstance(names, Mapping) else dict.fromkeys(names)
+        names = list(columns)
         if self.num_workers == 0 or not names:
-            return {n: p for n in names if (p := registry.problem(n)) is not None}
+            return {n: p for n in names if (p := registry.problem(n, columns[n])) is not None}
         ctx = self._context()
         conn, child_conn = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_check_main, args=(child_conn, names), daemon=True, name="reward-check")
+        proc = ctx.Process(target=_check_main, args=(child_conn, list(columns.items())), daemon=True,
+                           name="reward-check")
         proc.start()
         child_conn.close()
         errors, done = {}, set()

@@ -10,23 +10,15 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait as _mp_wait
-from typing import Any, Mapping, NamedTuple
 
 from . import registry
-
-
-class RewardItem(NamedTuple):
-    fn: str  # registry name or "module:function"
-    response: str
-    answer: str
-    task: str
-    extra: Mapping[str, Any] | None = None  # keyword arguments of this item's call
-
+from .calling import RewardItem, invoke    # (the item lives beside the rules of how its function is called)
 
 
 def _call(it: RewardItem) -> tuple[float, dict | None]:
-    """Run one item's function: (finite score, info or None); raises on a bad return value."""
-    out = registry.resolve(it.fn)(it.response, it.answer, it.task, **(it.extra or {}))
+    """Run one item's function (`calling.invoke`: as its signature says): (finite score, info or None); raises
+    on a bad return value."""
+    out = invoke(registry.resolve(it.fn), it)
     info = None
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
@@ -56,12 +48,13 @@ def _error_text(e: BaseException) -> str:
     return registry.one_line(f"{type(e).__name__}: {e}", 500)
 
 
-def _check_main(conn, names: list[str]) -> None:
-    """Check process: send (name, problem-or-None) for each name as it is resolved, then None."""
+def _check_main(conn, names: list[tuple[str, tuple | None]]) -> None:
+    """Check process: send (name, problem-or-None) for each (name, its rows' columns) as it is resolved and its
+    signature checked, then None."""
     _child_setup()
-    for name in names:
+    for name, columns in names:
         try:
-            problem = registry.problem(name)
+            problem = registry.problem(name, columns)
         except Exception as e:  # e.g. a module-level __getattr__ that raises
             problem = f"reward {name!r}: {_error_text(e)}"
         conn.send((name, problem))

@@ -1,8 +1,11 @@
-"""Reward functions by name, and how each row of the data picks one.
+"""Reward functions by name, how each row of the data picks one, and the item that scores a response.
 
-A reward function is a top-level (picklable, importable) function
-`fn(response: str, answer: str, task: str) -> float`; the pool's worker processes look it up by name,
-so nothing but strings crosses the process boundary.
+A reward function is a top-level (picklable, importable) function `fn(response: str, answer: str, task: str)
+-> float`, which may also take the row's prompt and any of its columns by name
+(`fn(response, answer, *, prompt, difficulty)`, `fn(response, answer, task, **row)`) or be written in TRL's
+batched form (`fn(completions, **kwargs) -> list[float]`): `jaxrl.rewards.calling` has the rules. The pool's
+worker processes look it up by name, so only the name and the values it takes cross the process boundary:
+`reward_item(name, response, row)` builds that item (every place that scores a row's response calls it).
 
 **Plugging in your own reward.** Write the function in a module that a fresh interpreter can import
 (a file in the directory the run starts from with `python -m jaxrl.train ...`, or a directory on
@@ -16,10 +19,12 @@ so nothing but strings crosses the process boundary.
 `reward_name(row, fn, registry)` applies that order (row > `rewards.fn` > the task's default: "math"
 for math rows, "code" for code rows, "builtin" for the built-in tasks, `reward_fn_for`) and replaces a
 registry name by its import path, which is what the workers resolve.
-`check_rewards(reward_names(rows, fn, registry), pool)` resolves every name the data will use, in this
-process and in a worker process, and raises a one-line `ValueError` naming the first that fails and why
-(module not importable, no such function, unknown name) — so a typo stops the run at start-up instead of
-scoring every response 0.
+`check_rewards(reward_columns(rows, fn, registry), pool)` (or `reward_names(..., columns=True)`) resolves every
+name the data will use, in this process and in a worker process, and checks each function's signature against
+the columns its rows have; it raises a one-line `ValueError` naming the first that fails and why (module not
+importable, no such function, unknown name, a parameter no row provides, no positional parameter) — so a typo
+stops the run at start-up instead of scoring every response 0. (`check_rewards(reward_names(...), pool)`, names
+without columns, checks signatures against the built-in rows' prompt, answer and task.)
 
 Names are either keys of `REWARD_FNS` or an import path. "builtin" (the built-in tasks' own scorers) is
 itself an import path, `jaxrl.data.tasks:builtin_reward`, resolved like a user's: `jaxrl.data` sits above
@@ -35,6 +40,7 @@ import difflib
 import importlib
 from typing import Callable, Iterable, Mapping
 
+from .calling import NOT_ROW_VALUES, RewardItem, call_plan, signature_problem
 from .code import code_reward
 from .math import math_reward
 
@@ -47,11 +53,12 @@ def math_fn(response: str, answer: str, task: str) -> float:
     return math_reward(response, answer)
 
 
-def code_fn(response: str, answer: str, task: str, **extra):
+def code_fn(response: str, answer: str, task: str, *, timeouts=None, limits=None, details: bool = False):
     """Code verifier (`jaxrl.rewards.code.code_reward`): the response's program run on the test cases in
-    `answer`, in the sandbox. `extra` (from the reward scheduler, per item): `timeouts` per test case,
-    sandbox `limits`, `details=True` to return `(score, info)` with each case's run time and verdict."""
-    return code_reward(response, answer, task, **extra)
+    `answer`, in the sandbox. From the reward scheduler, per item: `timeouts` per test case, sandbox `limits`,
+    `details=True` to return `(score, info)` with each case's run time and verdict. (Keywords, not `**extra`:
+    a `**` parameter would receive every column of the row.)"""
+    return code_reward(response, answer, task, timeouts=timeouts, limits=limits, details=details)
 
 
 # a function, or the import path of one ("builtin": the built-in tasks' scorers, `jaxrl.data.tasks.score`)
@@ -86,10 +93,32 @@ def reward_name(row: Mapping, fn: str | None = None, registry: Mapping[str, str]
     return registry.get(name, name) if registry else name
 
 
-def reward_names(rows: Iterable[Mapping], fn: str | None = None,
-                 registry: Mapping[str, str] | None = None) -> set[str]:
-    """Every name `reward_name` gives over `rows`: what a dataset will submit (for `check_rewards`)."""
+def reward_names(rows: Iterable[Mapping], fn: str | None = None, registry: Mapping[str, str] | None = None, *,
+                 columns: bool = False) -> set[str] | dict[str, frozenset[str]]:
+    """Every name `reward_name` gives over `rows`: what a dataset will submit (for `check_rewards`);
+    `columns=True`: `reward_columns` instead, each name with the columns its rows have."""
+    if columns:
+        return reward_columns(rows, fn, registry)
     return {reward_name(row, fn, registry) for row in rows}
+
+
+def reward_columns(rows: Iterable[Mapping], fn: str | None = None,
+                   registry: Mapping[str, str] | None = None) -> dict[str, frozenset[str]]:
+    """{name: the columns every row scored by it has} over `rows` (`reward_name`'s names): what `check_rewards`
+    checks each function's signature against. The loader's `index` and the `reward` field are not columns."""
+    out: dict[str, frozenset[str]] = {}
+    for row in rows:
+        name, keys = reward_name(row, fn, registry), frozenset(row).difference(NOT_ROW_VALUES)
+        out[name] = out[name] & keys if name in out else keys
+    return out
+
+
+def reward_item(name: str, response: str, row: Mapping) -> RewardItem:
+    """The pool item scoring `response` for data row `row` with reward `name` (`reward_name`'s): the answer and
+    task, and as `extra` only the row values the function takes by name (`calling.call_plan`: its signature;
+    an old-style `fn(response, answer, task)` gets none). `RewardLookupError` when `name` does not resolve."""
+    kwargs = call_plan(resolve(name)).kwargs(row)
+    return RewardItem(name, response, row["answer"], row["task"], kwargs or None)
 
 
 def _lookup(name: str) -> RewardFn | str:
@@ -122,10 +151,14 @@ def _lookup(name: str) -> RewardFn | str:
     return fn
 
 
-def problem(name: str) -> str | None:
-    """Why `name` does not resolve in this process, as one line; None when it does."""
+def problem(name: str, columns: Iterable[str] | None = None) -> str | None:
+    """Why `name` does not resolve in this process, or its function cannot be called for rows with `columns`
+    (None: prompt, answer, task), as one line; None when it can."""
     found = _lookup(name)
-    return found if isinstance(found, str) else None
+    if isinstance(found, str):
+        return found
+    why = signature_problem(found, columns)
+    return None if why is None else one_line(f"reward {name!r}: {why}")
 
 
 def resolve(name: str) -> RewardFn:
@@ -137,14 +170,18 @@ def resolve(name: str) -> RewardFn:
     return found
 
 
-def check_rewards(names: Iterable[str], pool) -> None:
-    """Resolve every reward name, in this process and in a worker of `pool` (`RewardPool.check`), before
-    anything compiles; `ValueError` with one line naming the first failing name and the cause."""
-    names = sorted(set(names))
-    here = {n: p for n in names if (p := problem(n)) is not None}
+def check_rewards(names: Iterable[str] | Mapping[str, Iterable[str]], pool) -> None:
+    """Resolve every reward name and check its function's signature, in this process and in a worker of `pool`
+    (`RewardPool.check`), before anything compiles; `ValueError` with one line naming the first failing name and
+    the cause. `names`: a mapping {name: the columns its rows have} (`reward_columns`), or names alone (checked
+    against the built-in rows' prompt, answer, task)."""
+    columns = {n: (None if c is None else tuple(sorted(c))) for n, c in
+               (names.items() if isinstance(names, Mapping) else dict.fromkeys(names).items())}
+    names = sorted(columns)
+    here = {n: p for n in names if (p := problem(n, columns[n])) is not None}
     where = ""
     if not here and names:
-        here, where = pool.check(names), " [in a reward worker process; it resolves in the training process]"
+        here, where = pool.check(columns), " [in a reward worker process; it resolves in the training process]"
     if not here:
         return
     first, *others = sorted(here)

@@ -3,7 +3,7 @@ adaptive code timeouts (RollPacker §4.3, "reward scheduler"), on top of `Reward
 
     sched = RewardScheduler(pool, AdaptiveTimeouts(1.5, 2.0, 30.0), limits=SandboxLimits())
     for c in engine.stream():                                      # as each response finishes
-        sched.submit(c.request_id, (name, text, row["answer"], row["task"]), group=p, group_size=G)
+        sched.submit(c.request_id, reward_item(name, text, row), group=p, group_size=G)   # (registry)
         out = sched.poll()                                         # never blocks
         out.responses   # [ScoredResponse(key, group, score, status, error, seconds, elapsed_s, info)]
         out.groups      # [CompletedGroup(group, keys, scores, elapsed_s, wait_s)]: every member scored
@@ -134,8 +134,8 @@ class RewardScheduler:
     # ------------------------------------------------------------------ submit / cancel
     def submit(self, key: Hashable, item: Sequence, *, group: Hashable | None = None,
                group_size: int | None = None) -> None:
-        """Score `item` = `(fn, response, answer, task[, extra])` for the finished response `key`
-        (unique among pending keys). `group`/`group_size`: its prompt and how many responses complete
+        """Score `item` = `(fn, response, answer, task[, extra])` (`registry.reward_item`) for the finished
+        response `key` (unique among pending keys). `group`/`group_size`: its prompt and how many responses complete
         the group (needed with the group's first member; later ones may repeat it)."""
         if key in self._items or key in self._member:
             raise ValueError(f"response {key!r} is already submitted")
@@ -160,7 +160,7 @@ class RewardScheduler:
                 cases = []   # malformed test cases: the reward raises in the worker, counted as a crash
             if cases:
                 timeouts = [self.timeouts.timeout_for(c) for c in cases]
-                extra = dict(it.extra or {}, timeouts=timeouts, details=True,
+                extra = dict(it.extra or {}, timeouts=timeouts, details=True,     # (after the row's values)
                              limits=dataclasses.asdict(self.limits))
                 it = it._replace(extra=extra)
                 pool_timeout = sum(timeouts) + self.case_overhead_s * len(cases) + self.limits.grace_s

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl import algos
 from jaxrl.config.train import TrainConfig
-from jaxrl.rewards.registry import one_line, reward_fn_for, reward_name
+from jaxrl.rewards.registry import one_line, reward_fn_for, reward_item, reward_name
 from jaxrl.rewards.scheduler import RewardScheduler
 from jaxrl.rollout import Completion, RolloutService, SamplingParams
 from jaxrl.rollout.partial_carry import carry_from_round, resume_group
@@ -159,7 +159,7 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
             return
         row = rows[p]
         name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
-        sched.submit((p, j), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
+        sched.submit((p, j), reward_item(name, tokenizer.decode(c.tokens), row))
         waiting[p, j] = name
 
     def take_trajectories(ended):
@@ -261,7 +261,7 @@ def score_batch(sched: RewardScheduler, tokenizer, cfg: TrainConfig, rows: list[
     for k, c in enumerate(comps):
         row = rows[k // group_size]
         name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
-        sched.submit(("batch", k), (name, tokenizer.decode(c.tokens), row["answer"], row["task"]))
+        sched.submit(("batch", k), reward_item(name, tokenizer.decode(c.tokens), row))
         waiting["batch", k] = name
     scores, statuses, first_error = np.zeros(len(comps), np.float32), [], ""
     while waiting:
