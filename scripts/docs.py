@@ -496,6 +496,8 @@ _load_module("docs_multiturn", ROOT / "scripts" / "docs_multiturn.py").register(
                                                                              lambda: RESULTS)
 _load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, load, table, footer, lambda: RESULTS,
                                                                     per_machine)
+_load_module("docs_real_model", ROOT / "scripts" / "docs_real_model.py").register(renders, load, table, footer,
+                                                                                 lambda: RESULTS)
 _load_module("docs_sim", ROOT / "scripts" / "docs_sim.py").register(renders, load, table, footer, machine, _load_module)
 
 # ------------------------------------------------------------------------------------------------ pages

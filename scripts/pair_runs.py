@@ -70,14 +70,17 @@ def run_pair(a: str, b: str, timeout: int) -> dict:
         seconds = time.perf_counter() - t0
         rows = Path(tmp) / "run" / "metrics.jsonl"
         rows = [json.loads(line) for line in rows.read_text().splitlines()] if rows.exists() else []
-    steps = len(rows)
+    steps = sum("reward_mean" in r for r in rows)          # RL steps (a final evaluation is a row of its own)
+    evals = sum("eval/accuracy" in r for r in rows)
     carried = sum(r.get("tail/carried_samples", 0) for r in rows)
     long_rounds = sum(r.get("tail/long_round", 0) for r in rows)
     # carry_partial's declared η_p = 2 defers a whole batch in step 0, so step 1 is a long round (unless dynamic
     # sampling dropped the deferred groups) that must resume some of their responses
     ok = code == 0 and steps == 2 and (carried > 0 or not long_rounds or "carry_partial" not in (a, b))
+    ok = ok and ("eval" not in (a, b) or evals == 3)         # eval.every=1: before steps 0 and 1, after the last
     return {"a": a, "b": b, "ran": ok, "exit": code, "steps": steps, "seconds": round(seconds, 1),
             **({"long_rounds": long_rounds, "carried_samples": carried} if "carry_partial" in (a, b) else {}),
+            **({"evaluations": evals} if "eval" in (a, b) else {}),
             "command": " ".join(["python -m jaxrl.train", *[w for w in cmd if "=" in w and "run_dir=" not in w]]),
             "error": None if ok else "\n".join(out.strip().splitlines()[-15:])}
 

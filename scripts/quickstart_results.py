@@ -18,6 +18,10 @@
   multiturn     --config configs/multiturn.yaml (docs/multiturn.md: the calc task with the calculator tool)
                 summary.json -> multiturn.json (+ the env/ metrics' first/last windows), curves.png ->
                 multiturn_curves.png
+  smollm2       --config configs/smollm2_arith.yaml (docs/real_model.md: SmolLM2-135M-Instruct on the sum task;
+                needs `python -m models.fetch smollm2-135m-instruct checkpoints/smollm2-135m-instruct` first)
+                summary.json -> smollm2_arith.json (+ the first and last evaluation's completions of a few held-out
+                prompts), curves.png -> smollm2_arith_curves.png
 
 A summary is copied as the run wrote it (`jaxrl/train/summary.py`). ppo_quickstart.json adds the critic's
 mean `critic/explained_var` over the same first and last windows as the summary's rewards
@@ -56,11 +60,14 @@ RUNS: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
                      {"length_pairs.jsonl": "quickstart_length_pairs.jsonl"}),
     "multiturn": (("--config", "configs/multiturn.yaml"), "runs/multiturn",
                   {"summary.json": "multiturn.json", "curves.png": "multiturn_curves.png"}),
+    "smollm2": (("--config", "configs/smollm2_arith.yaml"), "runs/smollm2_arith",
+                {"summary.json": "smollm2_arith.json", "curves.png": "smollm2_arith_curves.png"}),
 }
+SMOLLM2_EXAMPLES = 6      # smollm2_arith.json adds the first and last evaluation's completions of this many prompts
 ENV_WINDOWS = ("env/tool_success", "env/tool_calls_mean", "env/tool_calls", "env/format_errors", "env/turns_mean")   # multiturn.json adds
 OUTPUTS = ("quickstart.json", "quickstart_curves.png", "ppo_quickstart.json", "ppo_quickstart_curves.png",
            "lora_quickstart.json", "lora_quickstart_curves.png", "quickstart_length_pairs.jsonl",
-           "multiturn.json", "multiturn_curves.png")       # what it writes into scripts/results/ (tests/test_docs.py)
+           "multiturn.json", "multiturn_curves.png", "smollm2_arith.json", "smollm2_arith_curves.png")   # what it writes into scripts/results/ (tests/test_docs.py)
 COMMAND = "python -m jaxrl.train"
 
 
@@ -113,9 +120,27 @@ def result_files(name: str, run_dir: Path) -> dict[str, str]:
             summary = summary | {f"{key}_{end}": window_mean(rows, key, k, end == "last")
                                  for key in ENV_WINDOWS for end in ("first", "last")}
             out[dst] = json.dumps(summary, indent=1) + "\n"
+        elif src == "summary.json" and name == "smollm2":
+            out[dst] = json.dumps(summary | {"examples": eval_examples(run_dir, summary)}, indent=1) + "\n"
         else:
             out[dst] = (run_dir / src).read_bytes()
     return out
+
+
+def eval_examples(run_dir: Path, summary: dict) -> list[dict]:
+    """The first and the last evaluation's completions of the first `SMOLLM2_EXAMPLES` held-out prompts, side by
+    side (`run_dir/evals/step<N>.jsonl`, `jaxrl.eval.periodic`)."""
+    evals = summary.get("evals") or []
+    if len(evals) < 2:
+        raise SystemExit(f"{run_dir}: the summary has {len(evals)} evaluations; the recipe evaluates at its start "
+                         "and end")
+    first, last = ([json.loads(line) for line in (run_dir / "evals" / f"step{e['step']}.jsonl").read_text()
+                    .splitlines()] for e in (evals[0], evals[-1]))
+    after = {(s["index"], s["sample"]): s for s in last}
+    return [{"prompt": s["prompt"], "answer": s["answer"], "before": s["completion"], "reward_before": s["reward"],
+             "after": after[s["index"], s["sample"]]["completion"],
+             "reward_after": after[s["index"], s["sample"]]["reward"], "step_before": evals[0]["step"],
+             "step_after": evals[-1]["step"]} for s in first if s["sample"] == 0][:SMOLLM2_EXAMPLES]
 
 
 def run(name: str) -> Path:
@@ -124,7 +149,7 @@ def run(name: str) -> Path:
     if path.exists():
         raise SystemExit(f"{path} exists (the trainer would resume it): remove it, or copy it with "
                          f"`{Path(__file__).name} {name} --from {run_dir}`")
-    extra = [] if name in ("quickstart", "multiturn") else [f"run_dir={run_dir}"]    # the documented commands
+    extra = [] if name in ("quickstart", "multiturn", "smollm2") else [f"run_dir={run_dir}"]    # the documented commands
     cmd = [sys.executable, "-m", "jaxrl.train", *overrides, *extra]
     print(f"[quickstart_results] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)

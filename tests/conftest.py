@@ -60,7 +60,7 @@ import pytest  # noqa: E402
 # long file starts last and leaves one worker idle at the end. Only an order: a file not listed runs later.
 LONGEST_FIRST = ["test_train_e2e.py", "test_train_processes.py", "test_train_pools.py", "test_blockwise.py",
                  "test_lora_mechanisms.py", "test_train_resume.py", "test_tp_switch.py", "test_lora.py",
-                 "test_train_step.py", "test_bench_adaptive_tp.py", "test_forward_block.py",
+                 "test_train_step.py", "test_smollm2.py", "test_bench_adaptive_tp.py", "test_forward_block.py",
                  "test_rollout.py", "test_movable_state.py", "test_vocab_padding.py",
                  "test_sim_engine.py", "test_gpu_check.py", "test_bench_lora.py", "test_pat_processes.py",
                  "test_tail_batching.py", "test_heartbeat.py", "test_stream_trainer.py", "test_scale_up_layouts.py"]

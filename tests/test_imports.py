@@ -60,9 +60,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl.rewards",),
     ("jaxrl.data", "jaxrl.envs"),        # envs: environments stepped in the reward pool's workers
     ("jaxrl.rollout",),
-    ("jaxrl.train",),                    # the train stages (step, update, batch, blockwise, stream, ...)
+    ("jaxrl.train", "jaxrl.eval"),       # the train stages (step, update, batch, blockwise, stream, ...); held-out eval
     ("jaxrl.flow",),
-    ("jaxrl.train.trainer", "jaxrl.train.__main__", "jaxrl.generate", "jaxrl.demo",
+    ("jaxrl.train.trainer", "jaxrl.train.__main__", "jaxrl.generate", "jaxrl.eval.__main__", "jaxrl.demo",
      "jaxrl.sim"),                       # the simulator runs the mechanisms' own decision code
 )
 ROOT_PACKAGE = "jaxrl"                   # its __init__ is a docstring: below everything

@@ -37,9 +37,21 @@ def test_run_dir_contents(tmp_path):
     (the pre-DistFlow trainer's run there, keyed by `cpu_id()`), the same per-step metrics (timings aside) and
     the same final weights bit for bit; on any other, the first record's counts, rewards and lengths exactly
     and its float metrics within CROSS_CPU_RTOL."""
+    held = tmp_path / "held.jsonl"       # held-out evaluation before each step and after the last (jaxrl.eval)
+    held.write_text("".join(json.dumps({"prompt": p, "answer": a, "task": t}) + "\n" for p, a, t in
+                            [("copy abc", "abc", "copy"), ("rev hello", "olleh", "reverse"), ("add 3+4", "7", "add")]))
     _train(tmp_path, "steps=2", "save_every=1", "profile_steps=1:2", "algo.kl_coef=0.05",   # + reference policy
-           "curves=true", env=GOLDEN_OPT)                                                # (the golden's settings)
-    rows = _metrics(tmp_path)
+           "curves=true", f"eval.data={held}", "eval.every=1", "eval.samples=2", env=GOLDEN_OPT)  # (golden's settings)
+    everything = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval/prompts"], "reward_mean" in r) for r in everything] == [(0, 3, True), (1, 3, True),
+                                                                                        (2, 3, False)]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["kind"]) for s in samples if s["kind"] != "train"] == [
+        (step, kind) for step in range(3) for kind in ("eval_worst", "eval_worst", "eval_best", "eval_best")]
+    train_samples = [s for s in samples if s["kind"] == "train"]
+    assert [s["step"] for s in train_samples] == [0] * 4 + [1] * 4 and all(s["completion"] for s in train_samples)
+    assert list((tmp_path / "tb" / "samples").glob("events.out.tfevents.*"))
+    rows = [r for r in _metrics(tmp_path) if "reward_mean" in r]       # the RL steps' rows
     golden = json.loads((ROOT / "tests" / "golden" / "flow_default.json").read_text())
     digest = hashlib.sha256(b"".join(a.tobytes() for a in _params(tmp_path))).hexdigest()
     exact = golden["exact"].get(_this_cpu())

@@ -31,13 +31,15 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
     packing (trainer.repartition=tokens: samples cross processes on the devices; in the 1-process run the
     repartition is the fast path, nothing to move). four_balanced: 4 processes on tail batching's rounds
     agree on every round's accepted prompts and the queue (the race is decided on lengths, the queue is
-    global) and, with DAPO dynamic sampling, on the dropped groups and the waves. ppo_two_balanced: the
+    global) and, with DAPO dynamic sampling, on the dropped groups and the waves, and evaluate their shares of
+    the held-out prompts to the 1-process run's metrics (jaxrl.eval). ppo_two_balanced: the
     critic, GAE and the reward's KL on 2 processes. stream_four: RollPacker's stream trainer, each of 4
     processes freeing half of its own instances at its own milestones and streaming its own groups'
     gradients there; the early sums meet over processes at the update. stream_kv_two: the same on 2 processes
     with the blockwise backward on the rollout's K/V (each streamed micro-batch's K/V staged on the process's
     freed devices), the 2 processes warmed up: nothing compiles after step 0.
-    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments. pat_kv_two:
+    multiturn_two: 3-turn trajectories, each process stepping its own trajectories' environments (the held-out
+    evaluation's too). pat_kv_two:
     PAT on 2 processes, every process switching its own pool at the same decode step on one agreed decision (the
     2 decision records equal), with the blockwise backward on the rollout's K/V the switch migrated."""
     extra, procs, devices = MODES[mode]
@@ -50,7 +52,13 @@ def test_processes_equal_one(tmp_path, tmp_path_factory, mode):
            f"run_dir={many}", *TINY, *COMMON, *extra, *layout(devices, procs), *MANY_ONLY.get(mode, [])]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    m1, m2 = _metrics(one), _metrics(many)
+    (e1, m1), (e2, m2) = [([r for r in rows if "eval/accuracy" in r], [r for r in rows if "reward_mean" in r])
+                          for rows in (_metrics(one), _metrics(many))]
+    if "eval.split" in " ".join(extra):    # held-out evaluation: each process its share, the same metrics
+        assert [r["step"] for r in e1] == [r["step"] for r in e2] == ([0, 2, 3] if "eval.every=2" in extra else [0, 2])
+        for k in ("eval/prompts", "eval/accuracy", "eval/len_mean", "eval/samples",
+                  *(["eval/pass@2"] if "eval.samples=2" in extra else [])):
+            assert [r[k] for r in e2] == pytest.approx([r[k] for r in e1], rel=1e-9), k
     keys = ["reward_mean", "response_len_mean", "response_len_max", "pass_rate", "flow/samples"]
     if "rollout.env" in " ".join(extra):
         keys += ["env/trajectories", "env/turns", "env/turns_max", "env/observation_tokens", "env/prefill_saved"]

@@ -311,12 +311,13 @@ PAT_KV = ["engine.tp=1", "engine.adaptive_tp.enabled=true", f"engine.adaptive_tp
 # devices): the agreement is the same exchange over processes, which four_balanced and stream_four run on 4.
 # The stream trainer on 2 processes with the full backward is not a mode of its own: stream_four makes its
 # assertions on 4 processes, stream_kv_two on 2 (each N-process run with its 1-process twin costs ~50 CPU-s).
-MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens"], 4, 4),
+MODES = {"four_balanced": (TAIL + ["steps=3"] + DYNAMIC + ["trainer.repartition=tokens",
+                                                          "eval.split=10", "eval.every=2", "eval.samples=2"], 4, 4),
          "ppo_two_balanced": (PPO + ["trainer.repartition=tokens"], 2, 4),
          "stream_four": (STREAM, 4, 8),
          "stream_kv_two": (STREAM + ["trainer.backward=blockwise", "trainer.block_size=48",
                                      "trainer.kv_source=rollout"], 2, 4),
-         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens"], 2, 4),
+         "multiturn_two": (ECHO_TURNS + ["trainer.repartition=tokens", "eval.split=6"], 2, 4),
          "pat_kv_two": (PAT_KV, 2, 4)}
 COMMON = ["steps=2", "save_every=null", "optim.eps=1e-3", "warm_start.optim.eps=1e-3", "critic.optim.eps=1e-3"]
 PPO_DEVICES = MODES["ppo_two_balanced"][2]

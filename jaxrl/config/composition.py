@@ -93,6 +93,10 @@ MECHANISMS: dict[str, Mechanism] = {
     "multi_turn": Mechanism(("rollout.env=tools",),
                             "what a sample is (a trajectory: model turns and environment steps in one live sequence)",
                             "an environment per row; advantages per trajectory (the GRPO family)", "multi-turn tools"),
+    "eval": Mechanism(("eval.split=16", "eval.every=1"),
+                      "nothing of the training: it samples held-out prompts on the engine between rollouts (a split "
+                      "takes its prompts out of the training rows)",
+                      "an idle engine between rollouts; single-turn rows scored by rewards.*", "held-out evaluation"),
     "lora": Mechanism(("model.lora.rank=8",), "which weights train (low-rank adapters; the base frozen, the reference)",
                       "a base model (initialised or an HF checkpoint)", "LoRA (Hu et al.)"),
 }

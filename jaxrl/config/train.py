@@ -22,6 +22,7 @@ from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
 from .optim import OptimSection  # (also imported from here: jaxrl.config.train.OptimSection)
 from .critic import CriticSection, check_critic
+from .eval import EvalSection
 
 # Choices come from the `jaxrl.algos` registries (one list of names, not a copy); "gae" is PPO with a
 # critic (`critic` section, the `ppo` graph).
@@ -259,6 +260,7 @@ class TrainConfig(Section):
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)   # held-out evaluation (off unless eval.data/split)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
     placement: str = "colocated"         # colocated (rollout and training share devices) or disaggregated (StreamRL: own pools)
     stage_balance: StageBalanceSection = dataclasses.field(default_factory=StageBalanceSection)   # StreamRL scale-up
@@ -269,6 +271,7 @@ class TrainConfig(Section):
     keep_checkpoints: int = 3            # newest checkpoints kept
     export_hf: bool = True               # write run_dir/hf (HF checkpoint with tokenizer) at the end
     curves: bool = True                  # draw run_dir/curves.png at the end (matplotlib: ~0.7 s a run)
+    log_completions: int = 4             # completions per RL step to run_dir/samples.jsonl and TensorBoard (0: none)
     pack_len: int | None = None          # None = max_prompt_len + max_new_tokens (rounded up to 32)
     profile_steps: tuple[int, int] | None = None   # [start, stop]: jax.profiler trace of RL steps start..stop-1
 
@@ -280,6 +283,7 @@ class TrainConfig(Section):
         if self.save_every is not None:
             check_int("save_every", self.save_every, minimum=1)
         check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
+        check_int("log_completions", self.log_completions, minimum=0)
         if self.pack_len is not None:
             check_int("pack_len", self.pack_len, minimum=1)
         if self.profile_steps is not None:

@@ -23,6 +23,10 @@ answer scores 1 — which keeps the reward informative for a policy that is only
 process pool calls it in worker processes. Rows of other tasks (e.g. "math" from DeepScaleR) are scored
 by their own verifiers elsewhere; here they raise `KeyError`.
 
+`arith` (opt-in, for a pretrained chat model such as SmolLM2: `configs/smollm2_arith.yaml`) asks "What is 23 + 48?"
+for two 2-digit numbers (8,100 distinct prompts) and scores 1 when the last integer of the response is the sum
+(`final_number_score`), else 0.
+
 **Opt-in tasks.** `BUILTIN_TASKS` is the default suite (`data.tasks: []` means all of it). `code` is
 built in but opt-in (`data.tasks: [code]`; `TASKS` holds both): "py add 7" asks for a one-line Python
 program that reads a line from stdin and prints the result ("print(int(input())+7)"); the answer is the
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import string
 import zlib
 from typing import Callable, Sequence
@@ -169,6 +174,25 @@ def _calc(rng):
     return f"calc {a}*{b}", str(a * b)
 
 
+ARITH_PROMPT = "What is {a} + {b}?"
+
+
+def _arith(rng):
+    a, b = int(rng.integers(10, 100)), int(rng.integers(10, 100))
+    return ARITH_PROMPT.format(a=a, b=b), str(a + b)
+
+
+_INT = re.compile(r"-?\d[\d,]*")
+
+
+def final_number_score(response: str, answer: str) -> float:
+    """1 when the last integer written in the response (thousands commas allowed) is the answer, else 0: a
+    worked solution that ends on the right sum scores like the bare sum; one that ends on another number
+    does not."""
+    found = _INT.findall(response)
+    return float(bool(found) and found[-1].replace(",", "") == answer.strip())
+
+
 def exact_score(response: str, answer: str) -> float:
     """1 for the exact answer, else 0 (no partial credit: a product's leading digits right by chance are noise)."""
     return float(response.strip() == answer.strip())
@@ -239,6 +263,8 @@ OPT_IN_TASKS: dict[str, Task] = {t.name: t for t in (
     Task("code", "a one-line Python program over stdin, run on test cases", _code, code_score, code_solution),
     Task("calc", "multiply two 2-digit numbers with the calculator tool (multi-turn)", _calc, exact_score,
          turns=calc_turns),
+    Task("arith", "add two 2-digit numbers, asked in English (for a pretrained chat model)", _arith,
+         final_number_score),
 )}
 TASKS: dict[str, Task] = {**BUILTIN_TASKS, **OPT_IN_TASKS}   # every task `data.tasks` may name
 DEFAULT_TASKS: tuple[str, ...] = tuple(sorted(BUILTIN_TASKS))   # what `data.tasks: []` means

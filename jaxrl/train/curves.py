@@ -119,6 +119,10 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
             tools = True
             ax_r.plot(s, moving_average(v, window), color=color, lw=2,
                       label=key + (f" (moving average, {window} steps)" if window > 1 else ""))
+    s, v = series(rows, "eval/accuracy")      # held-out evaluations (jaxrl.eval): points, not a moving average
+    if np.isfinite(v).any():
+        ok = np.isfinite(v)
+        ax_r.plot(s[ok], v[ok], color="tab:red", marker="s", ms=5, lw=1.5, label="eval/accuracy (held out)")
     ax_r.set_ylabel("reward" + (" / tool calls, success" if tools else ""))
 
     drew_len = False

@@ -59,7 +59,7 @@ def _plain(value: Any) -> float | int | str | bool | None:
     return item
 
 
-def _truncate_jsonl(path: Path, keep_below: int) -> list[dict]:
+def truncate_jsonl(path: Path, keep_below: int) -> list[dict]:
     """Rewrite ``path`` keeping only complete JSON lines with ``step < keep_below``; return them."""
     if not path.exists():
         return []
@@ -103,7 +103,7 @@ class MetricsLogger:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        kept = _truncate_jsonl(self.path, 0 if resume_step is None else int(resume_step))
+        kept = truncate_jsonl(self.path, 0 if resume_step is None else int(resume_step))
         self._file = open(self.path, "a")
         if tb:
             tb_dir = self.run_dir / "tb"

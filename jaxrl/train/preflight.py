@@ -39,7 +39,10 @@ from models import load_tokenizer
 # Keys that may change between a run and its resume: how long it runs, how often it saves, what it
 # records, where the processes meet. Everything else changes the training itself.
 RUN_LENGTH_KEYS = ("steps", "save_every", "keep_checkpoints", "profile_steps", "export_hf", "curves", "run_dir",
-                   "distributed", "rewards.num_workers")
+                   "distributed", "rewards.num_workers", "log_completions",
+                   # what a run evaluates and when (eval.split is not here: it takes rows out of training)
+                   *(f"eval.{k}" for k in ("data", "every", "at_start", "at_end", "samples", "temperature", "pass_k",
+                                           "pass_threshold", "max_prompts", "log_completions", "seed")))
 RESUME_MODES = ("auto", "force")
 _PROBE = "Hello, world! 0123456789 The quick brown fox: (a+b)=c?\n"
 _STEP_CONFIG = re.compile(r"^config\.step(\d+)\.yaml$")
@@ -74,7 +77,8 @@ def check_paths(cfg: TrainConfig) -> None:
     if cfg.model.hf_path is not None:
         d = Path(cfg.model.hf_path)
         if not d.is_dir():
-            raise StartupError(f"model.hf_path={absolute(d)}: no such directory")
+            raise StartupError(f"model.hf_path={absolute(d)}: no such directory (to fetch SmolLM2-135M-Instruct "
+                               f"there: python -m models.fetch smollm2-135m-instruct {d})")
         if not (d / "config.json").is_file():
             raise StartupError(f"model.hf_path={absolute(d)}: no config.json there (not a Hugging Face checkpoint "
                                "directory)")

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +37,21 @@ def machine() -> dict:
         usable = os.cpu_count()
     return {"platform": platform.platform(), "cpu": cpu or platform.processor() or "unknown", "cpu_id": cpu_id(),
             "cpu_count": os.cpu_count(), "cores": usable, "python": platform.python_version()}
+
+
+def commit() -> dict | None:
+    """The code that ran: the git commit of this checkout and whether its tracked files had changes (`dirty`);
+    None outside a git checkout (an installed package) or without git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        diff = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode or diff.returncode:
+        return None
+    return {"sha": sha.stdout.strip(), "dirty": bool(diff.stdout.strip())}
 
 
 # the flags that change the code XLA:CPU emits (its LLVM target features): vector widths, FMA, bf16/int8 dots
@@ -90,8 +106,21 @@ def _values(rows: list[dict], key: str) -> list[float]:
     return [v for v in (_num(r, key) for r in rows) if v is not None]
 
 
+def eval_summary(rows: list[dict]) -> dict:
+    """The held-out evaluations of `rows` (`jaxrl.eval`): each one's step and eval/ metrics, and the accuracy
+    of the first and the last; {} for a run without evaluation."""
+    evals = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows
+             if _num(r, "eval/accuracy") is not None]
+    if not evals:
+        return {}
+    return {"eval_accuracy_first": evals[0]["eval/accuracy"], "eval_accuracy_last": evals[-1]["eval/accuracy"],
+            "evals": evals}
+
+
 def summarize(rows: list[dict], wall_s: float | None = None) -> dict:
-    """The summary of the RL steps in `rows` (the rows of `metrics.jsonl` that carry `reward_mean`)."""
+    """The summary of the RL steps in `rows` (the rows of `metrics.jsonl` that carry `reward_mean`), and of its
+    held-out evaluations (`eval_summary`) when it has any."""
+    evals = eval_summary(rows)
     rows = [r for r in rows if _num(r, "reward_mean") is not None]
     n = len(rows)
     k = max(1, n // 5)
@@ -119,6 +148,7 @@ def summarize(rows: list[dict], wall_s: float | None = None) -> dict:
         "response_len_mean": _mean(_values(rows, "response_len_mean")),
         "response_len_max": max(lens_max) if lens_max else None,
         "compiles_after_step0": sum(_values(rows[1:], "compiles")),
+        **evals,
     }
 
 
@@ -127,7 +157,7 @@ def write_summary(run_dir: str | Path, wall_s: float | None, *, resumed: bool = 
     """Write `run_dir/summary.json` (atomically) from its `metrics.jsonl`; returns the path."""
     run_dir = Path(run_dir)
     out = {"command": " ".join(["python -m jaxrl.train", *(sys.argv[1:] if argv is None else argv)]),
-           **summarize(read_rows(run_dir), wall_s), "resumed": resumed, "machine": machine()}
+           **summarize(read_rows(run_dir), wall_s), "resumed": resumed, "machine": machine(), "commit": commit()}
     path = run_dir / "summary.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")

@@ -29,6 +29,7 @@ import jax
 from tqdm import tqdm
 
 from jaxrl.config.train import WHOLE_BATCH_ADVANTAGES, TrainConfig
+from jaxrl.eval.periodic import PeriodicEval
 from jaxrl.flow import Flow, SampleBuffer, StepData, TrainContext
 from jaxrl.rewards import RewardPool, RewardScheduler, check_rewards, reward_names
 from jaxrl.rollout import RolloutService
@@ -51,6 +52,7 @@ from .pipeline import TrainWorker, check_staleness, split_devices
 from .preflight import (ResumePlan, check_tokenizer, discard_unstarted, plan_resume, startup_errors,
                         write_config)
 from .rollout_side import RolloutSide, load_prompts, requests_in_flight
+from .samples import SamplesLog, step_records
 from .step_metrics import carry_metrics, placement_metrics, staleness_metrics, step_metrics, tail_metrics
 from .stream import StreamTrainer
 from .trajectories import MultiTurn
@@ -91,9 +93,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(check_tokenizer(cfg))
         with startup_errors(prefix="data.source: "):      # (a file without one usable row: one line)
             self.dataset = load_prompts(cfg, self.tokenizer)
+        with startup_errors():                            # held-out prompts (a split leaves the training rows)
+            self.evaluator, self.dataset = PeriodicEval.build(cfg, self.tokenizer, self.dataset)
         self.pool = RewardPool.from_config(cfg.rewards)
         with startup_errors(self.pool):
-            check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry), self.pool)
+            check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry, columns=True), self.pool)
+        if self.evaluator is not None:
+            with startup_errors(self.pool, prefix="eval: "):
+                check_rewards(reward_names(self.evaluator.all_rows, cfg.rewards.fn, cfg.rewards.registry, columns=True),
+                              self.pool)
         rewards = RewardScheduler.from_config(cfg.rewards, self.pool)   # cancellation; code: sandbox, timeouts
         with startup_errors(self.pool, prefix="rollout.env: "):   # multi-turn: environments stepped in the pool
             turns = MultiTurn.from_config(cfg, self.tokenizer, self.pool, self.dataset)
@@ -145,6 +153,7 @@ class Trainer:
             with startup_errors(self.pool, prefix="rollout.skew.ranker.pairs: "):
                 rs.warm_start_ranker()
         self.metrics = MetricsLogger(self.run_dir, is_main=self.is_main, resume_step=self.step)
+        self.samples = SamplesLog(self.run_dir, is_main=self.is_main, resume_step=self.step)
         self.compiles = CompileCounter()     # per-step XLA compilations (metrics: compiles, compile_s)
         self.profiler = Profiler(self.run_dir, cfg.profile_steps)
 
@@ -221,6 +230,7 @@ class Trainer:
         out["sync_bytes"] = self.svc.synced_bytes - synced     # weight bytes into the rollout (LoRA: the adapters)
         out["flow/samples"] = int(global_sum([len(data.samples or [])])[0])    # trained, over all processes
         out.update(data.metrics)                   # the nodes' own (flow/...: group filter, repartition)
+        self.samples.write(self.step, "train", step_records(data, self.tokenizer, cfg.log_completions))
         out.update(tc.rewards.metrics())           # reward/...: cancellations, elapsed time, adaptive timeouts
         carry = cfg.rollout.tail_batching.carry_partial
         if data.plan:
@@ -263,6 +273,7 @@ class Trainer:
             first_step = self.step
             bar = tqdm(total=cfg.steps, initial=self.step, desc="rl", disable=not self.is_main)
             while self.step < cfg.steps:
+                evaluated = self.evaluate()
                 self.profiler.maybe_start(self.step)
                 m = self.rl_step()
                 self.profiler.maybe_stop(self.step)
@@ -271,6 +282,7 @@ class Trainer:
                 if late:
                     log.info("step %d compiled %d executable(s) after warm-up (%.1f s): %s", self.step, len(late),
                              m["compile_s"], ", ".join(sorted(set(late))))
+                m.update(evaluated)      # (the evaluation ran before the step, on the weights its rollout used)
                 self.metrics.log(self.step, m)
                 history.append(m)
                 bar.update(1)
@@ -279,6 +291,9 @@ class Trainer:
                 if (cfg.save_every is not None and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                     self._save()
             bar.close()
+            final = self.evaluate()        # after the last update: a row of its own (step = steps)
+            if final:
+                self.metrics.log(self.step, final)
             if cfg.export_hf:
                 run_state.export(self.run_dir, cfg, self.update.model_cfg, self.policy, self.tokenizer)
         except BaseException:
@@ -294,7 +309,24 @@ class Trainer:
                 draw_run_curves(self.run_dir)
         return history
 
+    def evaluate(self) -> dict:
+        """The held-out evaluation due before RL step `self.step` (`jaxrl.eval.periodic`): its eval/ metrics, or {}."""
+        if self.evaluator is None or not self.evaluator.due(self.step):
+            return {}
+        waited = 0.0
+        if self.rollout.background is not None:
+            # The warm-up's thread still compiles the exact buckets and the instances run on the cover shapes
+            # (`background.py`), which pad every prefill to the largest bucket: many small prefills of held-out
+            # prompts would each pay for it (measured: 100 SmolLM2 prompts 490 s instead of ~70). Wait for the
+            # exact buckets now, as step 1 would: step 0's rollout then runs on them too (a run with an
+            # evaluation at its start is as reproducible as one without, but not bit-equal to it at step 0).
+            waited, self.rollout.background = self.rollout.background.finish(self.svc), None
+        m = self.evaluator.run(self.step, self.svc, self.pool, self.samples, version=self.rollout.engine_version,
+                               turns=self.rollout.turns)
+        return m | ({"eval/compile_wait_s": waited} if waited else {})
+
     def close(self):
-        for part in (self.rollout.background, self.exit_watch, self.profiler, self.pool, self.metrics, self.train.worker):
+        for part in (self.rollout.background, self.exit_watch, self.profiler, self.pool, self.metrics, self.samples,
+                     self.train.worker):
             if part is not None:
                 part.close()
