@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         "'train_layout={fsdp: 2, tp: 2}' engine.tp=2 engine.instances=2"),
         flags="[--run-dir DIR] [--profile-steps A:B] [--resume=force]")
     from jaxrl.train.preflight import StartupError, preflight
+    from jaxrl.train.summary import commit
+
+    code = commit()       # the code this run starts with (summary.json), before anything can change the tree
 
     try:
         plan = preflight(cfg, resume)
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxrl.train.metrics import run_summary
         from jaxrl.train.summary import write_summary
 
-        write_summary(cfg.run_dir, time.perf_counter() - start, resumed=plan.resume, argv=raw)
+        write_summary(cfg.run_dir, time.perf_counter() - start, resumed=plan.resume, argv=raw, code=code)
         print("\n".join(run_summary(cfg.run_dir)), flush=True)
     return 0
 

@@ -153,11 +153,13 @@ def summarize(rows: list[dict], wall_s: float | None = None) -> dict:
 
 
 def write_summary(run_dir: str | Path, wall_s: float | None, *, resumed: bool = False,
-                  argv: list[str] | None = None) -> Path:
-    """Write `run_dir/summary.json` (atomically) from its `metrics.jsonl`; returns the path."""
+                  argv: list[str] | None = None, code: dict | None = None) -> Path:
+    """Write `run_dir/summary.json` (atomically) from its `metrics.jsonl`; returns the path. `code`: the run's
+    `commit()` as it started (default: now)."""
     run_dir = Path(run_dir)
     out = {"command": " ".join(["python -m jaxrl.train", *(sys.argv[1:] if argv is None else argv)]),
-           **summarize(read_rows(run_dir), wall_s), "resumed": resumed, "machine": machine(), "commit": commit()}
+           **summarize(read_rows(run_dir), wall_s), "resumed": resumed, "machine": machine(),
+           "commit": code if code is not None else commit()}
     path = run_dir / "summary.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")
