@@ -157,7 +157,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = read_metrics(path)
     if not rows:
         raise ValueError(f"{path.resolve()}: no metrics rows")
-    title = f"{run_dir.resolve().name} — {len(rows)} step{'s' * (len(rows) != 1)}"
+    n = sum("reward_mean" in r for r in rows) or len(rows)       # RL steps (a final evaluation is a row of its own)
+    title = f"{run_dir.resolve().name} — {n} step{'s' * (n != 1)}"
     return plot(rows, Path(out) if out is not None else run_dir / "curves.png", title)
 
 
