@@ -82,7 +82,28 @@ def test_from_copies_each_run(tmp_path, monkeypatch):
     assert {k: v for k, v in got.items() if not k.startswith("env/")} == json.loads((turns / "summary.json").read_text())
     assert got["env/tool_success_first"] == pytest.approx(0.025) and got["env/tool_calls_last"] == pytest.approx(108.5)
     assert (out / "multiturn_curves.png").read_bytes() == (turns / "curves.png").read_bytes()
+
+    smol = tmp_path / "runs" / "smollm2"         # the real-model recipe: its evaluations and their completions
+    smol.mkdir(parents=True)
+    evals = [{"step": s, "eval/accuracy": a, "eval/prompts": 2, "eval/len_mean": 9.0} for s, a in ((0, 0.5), (2, 1.0))]
+    rows = [{"step": i, "reward_mean": 0.1 * i, "step_seconds": 1.0, "rollout_s": 0.4, "train_s": 0.6,
+             "response_len_mean": 5.0, "response_len_max": 9, "compiles": 0} for i in range(2)]
+    rows = [{**rows[0], **evals[0]}, rows[1], evals[1]]      # before step 0; after the last (a row of its own)
+    (smol / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (smol / "evals").mkdir()
+    for step, answers in ((0, ["3", "x"]), (2, ["3", "4"])):
+        (smol / "evals" / f"step{step}.jsonl").write_text("".join(json.dumps(
+            {"index": i, "sample": 0, "prompt": f"What is {i} + 3?", "answer": str(i + 3), "completion": c,
+             "reward": float(c == str(i + 3))}) + "\n" for i, c in enumerate(answers)))
+    write_summary(smol, 60.0, argv=["--config", "configs/smollm2_arith.yaml"])
+    (smol / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\nsmollm2")
+    qr.main(["smollm2", "--from", str(smol), "--out-dir", str(out)])
+    got = json.loads((out / "smollm2_arith.json").read_text())
+    assert [e["eval/accuracy"] for e in got["evals"]] == [0.5, 1.0]
+    assert [(x["before"], x["after"], x["reward_after"]) for x in got["examples"]] == [("3", "3", 1.0), ("x", "4", 1.0)]
     assert sorted(p.name for p in out.iterdir()) == sorted(qr.OUTPUTS)
+    monkeypatch.setattr(docs, "RESULTS", out)
+    assert "**0.50 → 1.00** (+0.50)" in docs.RENDERERS["smollm2-recipe"]()
     monkeypatch.setattr(docs, "RESULTS", out)                  # the multi-turn table from what the script wrote
     assert "| tool success (calls that ran, of all calls), first 20% → last 20% | 0.03 → 0.43 |" in \
         docs.RENDERERS["multiturn-run"]()

@@ -116,8 +116,12 @@ def reward_columns(rows: Iterable[Mapping], fn: str | None = None,
 def reward_item(name: str, response: str, row: Mapping) -> RewardItem:
     """The pool item scoring `response` for data row `row` with reward `name` (`reward_name`'s): the answer and
     task, and as `extra` only the row values the function takes by name (`calling.call_plan`: its signature;
-    an old-style `fn(response, answer, task)` gets none). `RewardLookupError` when `name` does not resolve."""
-    kwargs = call_plan(resolve(name)).kwargs(row)
+    an old-style `fn(response, answer, task)` gets none). A name that does not resolve here gets no extras (the
+    pool reports it; start-up's `check_rewards` refuses such names in a real run)."""
+    found = _lookup(name)
+    if isinstance(found, str):     # unresolvable here (a simulator's stand-in pool, say): the item as before, no
+        return RewardItem(name, response, row["answer"], row["task"])   # extras; a worker scores it as a crash
+    kwargs = call_plan(found).kwargs(row)
     return RewardItem(name, response, row["answer"], row["task"], kwargs or None)
 
 
