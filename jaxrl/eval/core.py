@@ -59,18 +59,20 @@ def _generate(svc: RolloutService, rows: list[dict], prompts: list[list[int]], s
         for j, rid in enumerate(svc.add(ids, params)):
             where[rid] = (p, j)
     out = {}
-    with pat_off(svc):
-        for c in svc.stream():
-            if c.request_id in where:
-                out[where[c.request_id]] = c
-                if progress is not None:
-                    progress(len(out), len(where))
+    for c in svc.stream():
+        if c.request_id in where:
+            out[where[c.request_id]] = c
+            if progress is not None:
+                progress(len(out), len(where))
     return out
 
 
 @contextlib.contextmanager
-def pat_off(svc: RolloutService):
-    """PAT's switch driver off meanwhile (see the module docstring)."""
+def eval_engine(svc: RolloutService):
+    """The engine for an evaluation: idle before it (RuntimeError otherwise), PAT's switch driver off meanwhile
+    (see the module docstring)."""
+    if svc.has_work():
+        raise RuntimeError("evaluate: the rollout engine has requests in flight; evaluate between rollouts")
     adaptive, svc.adaptive = svc.adaptive, None
     try:
         yield
@@ -83,10 +85,9 @@ def evaluate(svc: RolloutService, pool, tokenizer, rows: list[dict], prompts: li
     """Sample and score this process's held-out `rows` (dicts with prompt, answer, task, index; their token
     ids `prompts`). `pool`: a `RewardPool`; `rewards`: the `rewards` config section (fn, registry); `allsum`:
     sums a list of floats over processes (None: one process); `progress(done, total)` after each completion."""
-    if svc.has_work():
-        raise RuntimeError("evaluate: the rollout engine has requests in flight; evaluate between rollouts")
     t0 = time.perf_counter()
-    comps = _generate(svc, rows, prompts, section, max_new_tokens, tokenizer.eos_ids, progress)
+    with eval_engine(svc):
+        comps = _generate(svc, rows, prompts, section, max_new_tokens, tokenizer.eos_ids, progress)
     keys = sorted(comps)
     texts = {key: tokenizer.decode(comps[key].tokens) for key in keys}
     items = [reward_item(reward_name(rows[p], rewards.fn, rewards.registry, default=reward_fn_for), texts[p, j],

@@ -33,7 +33,7 @@ from jaxrl.train.rl import rollout_and_score
 from jaxrl.train.trajectories import MultiTurn
 from jaxrl.train.samples import SamplesLog
 
-from .core import EvalResult, evaluate, metrics, pat_off, sample_records
+from .core import EvalResult, eval_engine, evaluate, metrics, sample_records
 from .heldout import indexed, split_heldout
 
 log = logging.getLogger("jaxrl.eval")
@@ -109,13 +109,11 @@ class PeriodicEval:
         """Multi-turn: the held-out prompts' trajectories through the trainer's own rollout path
         (`rl.rollout_and_score` with the run's environments), sampled as `eval` says."""
         s, t0 = self.section, time.perf_counter()
-        if svc.has_work():
-            raise RuntimeError("evaluate: the rollout engine has requests in flight; evaluate between rollouts")
 
         def params(row, p):
             return dataclasses.replace(p, temperature=s.temperature, seed=prompt_seed(s.seed, int(row["index"])))
 
-        with pat_off(svc):
+        with eval_engine(svc):
             comps, rewards, stats = rollout_and_score(svc, pool, self.tokenizer, self.cfg, self.prompts, self.rows, 0,
                                                       self.tokenizer.eos_ids, responses=s.samples, params_fn=params,
                                                       turns=turns.round(svc, self.rows))

@@ -96,12 +96,9 @@ class Trainer:
         with startup_errors():                            # held-out prompts (a split leaves the training rows)
             self.evaluator, self.dataset = PeriodicEval.build(cfg, self.tokenizer, self.dataset)
         self.pool = RewardPool.from_config(cfg.rewards)
-        with startup_errors(self.pool):
-            check_rewards(reward_names(self.dataset, cfg.rewards.fn, cfg.rewards.registry, columns=True), self.pool)
-        if self.evaluator is not None:
-            with startup_errors(self.pool, prefix="eval: "):
-                check_rewards(reward_names(self.evaluator.all_rows, cfg.rewards.fn, cfg.rewards.registry, columns=True),
-                              self.pool)
+        scored = list(self.dataset) + (self.evaluator.all_rows if self.evaluator is not None else [])
+        with startup_errors(self.pool):     # (the held-out rows' rewards too: one check, one worker process)
+            check_rewards(reward_names(scored, cfg.rewards.fn, cfg.rewards.registry, columns=True), self.pool)
         rewards = RewardScheduler.from_config(cfg.rewards, self.pool)   # cancellation; code: sandbox, timeouts
         with startup_errors(self.pool, prefix="rollout.env: "):   # multi-turn: environments stepped in the pool
             turns = MultiTurn.from_config(cfg, self.tokenizer, self.pool, self.dataset)
