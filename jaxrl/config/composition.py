@@ -5,18 +5,17 @@ trainer's own config checks (`TrainConfig`'s cross-section checks), never by a h
     pair_matrix()                       # {(a, b): None (accepted) or (key, reason) (refused)}
     recipe_config()                     # configs/all_mechanisms.yaml: RECIPE's mechanisms together
 
-A mechanism declares what it **decides** (where training runs, who owns the generation layout, what the
-update needs before it starts, ...) and what it **needs**; two mechanisms that decide the same thing are the
-pairs a config may refuse. The matrix is measured, not declared: `scripts/composition.py` writes it to
-`scripts/results/composition.json`, `scripts/docs.py` renders docs/composition.md from that JSON, and
-tests/test_composition.py recomputes it from the code and fails when the JSON (hence the page) differs,
-or when a refusal names no reason.
+Each entry here says, for the table, what the mechanism decides and needs in words. The refusals between
+mechanisms come from `jaxrl.config.declarations` (what each component decides and needs, as values), which
+`TrainConfig` checks: the matrix is measured by loading every pair through that check, so the table and the
+config's refusals have one source (tests/test_declarations.py breaks a declaration and sees both change).
+`scripts/composition.py` writes the matrix to `scripts/results/composition.json`, `scripts/docs.py` renders
+docs/composition.md from that JSON, and tests/test_composition.py recomputes it from the code and fails when
+the JSON (hence the page) differs, or when a refusal names no reason.
 
 Simplified (said, not pretended done): a pair here is accepted by the config; the issue's matrix also runs
 every accepted pair for 2 RL steps on a 4-device train layout, which this module does not do (see
-tests/test_composition.py for the pairs that are run). The declarations are documentation the table shows;
-the checks themselves still live in each config section (`placement.py`, `stream.py`, `critic.py`, ...), not
-derived from the declarations.
+tests/test_composition.py for the pairs that are run).
 """
 
 from __future__ import annotations

@@ -65,8 +65,6 @@ def check_critic(cfg: "TrainConfig") -> None:
     refuse = [
         (t.micro_batch_tokens is None, "trainer.micro_batch_tokens",
          "the critic trains over fixed-shape micro-batches: set trainer.micro_batch_tokens (e.g. 2048)"),
-        (t.stream.enabled, "trainer.stream.enabled",
-         "the stream trainer computes gradients during the rollout, before any values exist"),
     ]
     for bad, key, why in refuse:
         if bad:

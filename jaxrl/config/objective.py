@@ -40,12 +40,6 @@ def check_objective(cfg) -> None:
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null with {why}: the proximal log-probs and the "
                           "corrections are computed per fixed micro-batch; set a token budget")
-    if t.stream.enabled:
-        raise ConfigError("trainer.stream.enabled", f"true with {why}: the stream trainer takes each group's "
-                          "gradient as it arrives, with no proximal log-prob pass (not built yet)")
-    if a.advantage == "gae":
-        raise ConfigError("algo.objective", f"{a.objective} with algo.advantage=gae: PPO with a critic trains "
-                          "with objective=ppo")
 
 
 def check_carry(cfg) -> None:
@@ -58,12 +52,6 @@ def check_carry(cfg) -> None:
     if not cfg.rollout.tail_batching.carry_partial:
         return
     why = "rollout.tail_batching.carry_partial"
-    if cfg.rollout.env is not None:
-        raise ConfigError(why, f"with rollout.env={cfg.rollout.env}: an environment's state is not carried "
-                          "across rounds")
-    if t.backward == "blockwise" and t.kv_source == "rollout":
-        raise ConfigError(why, "with trainer.kv_source=rollout: a carried response that had finished has no K/V "
-                          "left in the engine; use trainer.kv_source=recompute")
     if t.stale_samples == "drop" and t.max_staleness == 0:
         raise ConfigError("trainer.stale_samples", f"drop with {why} and trainer.max_staleness=0: every carried "
                           "token is at least one version old, so all would be dropped; set "

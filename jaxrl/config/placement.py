@@ -50,16 +50,6 @@ def check_placement(cfg) -> None:
             raise ConfigError("stage_balance.scale_up", "needs placement=disaggregated (separate pools to balance)")
         return
     why = "with placement=disaggregated"
-    if t.stream.enabled and t.max_staleness:
-        raise ConfigError("trainer.stream.enabled", f"true with trainer.max_staleness={t.max_staleness}: the stream "
-                          "trainer takes gradients at the weights of the rollout it frees devices from, and an "
-                          "asynchronous rollout is trained at the weights of later updates")
     if t.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", f"null {why}: gradients stream over fixed-shape "
                           "micro-batches; set a token budget")
-    if t.max_staleness:
-        why = f"with trainer.max_staleness={t.max_staleness}"
-        if t.backward == "blockwise" and t.kv_source == "rollout":
-            raise ConfigError("trainer.kv_source", f"rollout {why}: a rollout trained steps late was made by "
-                              "the weights before the updates, so its K/V are another policy's and the blockwise "
-                              "gradient would not be exact; use kv_source=recompute")

@@ -22,6 +22,7 @@ from .train_rollout import TrainEngineSection, TrainSamplingSection
 from .sections import LayoutSection, ModelSection
 from .optim import OptimSection  # (also imported from here: jaxrl.config.train.OptimSection)
 from .critic import CriticSection, check_critic
+from .declarations import check_declarations
 from .eval import EvalSection
 
 # Choices come from the `jaxrl.algos` registries (one list of names, not a copy); "gae" is PPO with a
@@ -298,6 +299,7 @@ class TrainConfig(Section):
             raise ConfigError("algo.micro_batches", f"{self.algo.micro_batches} with trainer.micro_batch_tokens="
                               f"{self.trainer.micro_batch_tokens}: the micro-batches already come from the token "
                               "budget; set algo.micro_batches=1 (or trainer.micro_batch_tokens=null)")
+        check_declarations(self)      # refusals between mechanisms, from what each decides and needs
         check_critic(self)            # before the mechanisms' own checks: PPO refuses them whole
         self._check_multi_turn()
         self._check_blockwise()
@@ -317,17 +319,9 @@ class TrainConfig(Section):
         """Multi-turn (rollout.env) combinations that would train on the observations, refused with the reason."""
         if getattr(self.rollout, "env", None) is None:    # (a plain SamplingSection has no environment)
             return
-        if self.algo.advantage == "gae":
-            raise ConfigError("rollout.env", "PPO's critic and GAE treat every response token as an action, and a "
-                              "trajectory's observation tokens are not: multi-turn trains with grpo, dr_grpo, rloo "
-                              "or reinforce_pp")
         if self.algo.kl_in_reward:
             raise ConfigError("rollout.env", "algo.kl_in_reward would put the observation tokens' KL into the "
                               "returns: use kl_coef as a loss term (kl_in_reward=false) with multi-turn")
-        if self.trainer.kv_source == "rollout":
-            raise ConfigError("rollout.env", "a trajectory paused for its environment may lose its KV pages under "
-                              "memory pressure (recomputed when it resumes), and one that then ends has no K/V to "
-                              "export: use trainer.kv_source=recompute with multi-turn")
 
     def _check_blockwise(self):
         """trainer.backward / kv_source combinations that cannot run, refused with the key and the reason."""

@@ -29,7 +29,8 @@ from jaxrl.config.train import TrainConfig
 from jaxrl.data import PromptDataset, encode_prompts
 from jaxrl.rollout.params import prompt_seed
 from jaxrl.train.distributed import global_sum
-from jaxrl.train.rl import rollout_and_score
+from jaxrl.train.rollout_components import RequestParams, TrajectoryScores
+from jaxrl.train.rollout_loop import Requests, RolloutLoop
 from jaxrl.train.trajectories import MultiTurn
 from jaxrl.train.samples import SamplesLog
 
@@ -107,16 +108,16 @@ class PeriodicEval:
 
     def _trajectories(self, svc, pool, turns: MultiTurn, allsum) -> EvalResult:
         """Multi-turn: the held-out prompts' trajectories through the trainer's own rollout path
-        (`rl.rollout_and_score` with the run's environments), sampled as `eval` says."""
+        (`jaxrl.train.rollout_loop` with the run's environments), sampled as `eval` says."""
         s, t0 = self.section, time.perf_counter()
 
         def params(row, p):
             return dataclasses.replace(p, temperature=s.temperature, seed=prompt_seed(s.seed, int(row["index"])))
 
         with eval_engine(svc):
-            comps, rewards, stats = rollout_and_score(svc, pool, self.tokenizer, self.cfg, self.prompts, self.rows, 0,
-                                                      self.tokenizer.eos_ids, responses=s.samples, params_fn=params,
-                                                      turns=turns.round(svc, self.rows))
+            loop = RolloutLoop(svc, Requests.from_config(self.cfg, 0, self.tokenizer.eos_ids, s.samples),
+                               TrajectoryScores(turns.round(svc, self.rows)), hooks=[RequestParams(params)])
+            comps, rewards, stats = loop.run(self.prompts, self.rows)
         done = {(i // s.samples, i % s.samples): (c, self.tokenizer.decode(c.tokens), float(r))
                 for i, (c, r) in enumerate(zip(comps, rewards))}
         samples = sample_records(self.rows, done)

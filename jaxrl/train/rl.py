@@ -17,7 +17,6 @@ carry the first failure's cause, and `RewardFailureGuard` stops the run after
 from __future__ import annotations
 
 import functools
-import hashlib
 import time
 
 import jax
@@ -28,21 +27,13 @@ from jaxrl import algos
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards.registry import one_line, reward_fn_for, reward_item, reward_name
 from jaxrl.rewards.scheduler import RewardScheduler
-from jaxrl.rollout import Completion, RolloutService, SamplingParams
-from jaxrl.rollout.partial_carry import carry_from_round, resume_group
+from jaxrl.rollout import Completion, RolloutService
 
 from .batch import Sample, pack, pack_rows, row_bucket, trained_tokens
 from .distributed import global_max, global_sum
-
-
-def request_seed(run_seed: int, step: int, row_index: int) -> int:
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{row_index}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
-
-
-def uses_rollout_kv(cfg: TrainConfig) -> bool:
-    """MetroRLHF consumes the rollout's K/V (the engine then exports each completion's on the devices)."""
-    return cfg.trainer.backward == "blockwise" and cfg.trainer.kv_source == "rollout"
+from .rollout_components import (CarriedPartials, GroupStream, NoScores, PatTicks, Placement, RaceSelection,
+                                 RequestParams, StepProgress, StreamedRewards, TrajectoryScores)
+from .rollout_loop import Requests, RolloutLoop, request_seed, uses_rollout_kv  # noqa: F401 (request_seed: rl's API)
 
 
 def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, prompts: list[list[int]],
@@ -50,205 +41,28 @@ def rollout_and_score(svc: RolloutService, pool, tokenizer, cfg: TrainConfig, pr
                       params_fn=None, on_step=None, on_group=None, route=None,
                       score: bool = True, turns=None, carried=None,
                       carry: bool = False) -> tuple[list[Completion], np.ndarray, dict]:
-    """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards.
+    """All kept samples of the local prompts, prompt-major (row p*G + g), with their rewards: the rollout loop
+    (`jaxrl.train.rollout_loop`) with the components its keyword arguments name, for callers written before
+    the loop had components (tests, benchmarks, the simulator). New mechanisms join as components.
 
-    Each completion goes to the reward pool the moment the engine finishes it, so scoring overlaps the
-    rest of the rollout (the long tail especially). `pool` is a `RewardScheduler` (the trainer keeps one,
-    so code rewards' adaptive timeouts learn across steps) or a plain `RewardPool` (wrapped for the call);
-    a response given up after it was submitted is cancelled there. Returns (completions, rewards [P*G] float32,
-    {"items", "timeouts", "crashes", "first_error", "seconds", "engine_steps", ...}) where seconds is the
-    wait for rewards after the last completion; crashes and timeouts score 0 and are counted, and
-    first_error is the first failure to come back, as "<status> in <reward name>: <cause>" ("" when none
-    failed).
-
-    `race` (tail batching, `jaxrl.rollout.tail_batching.Race`): `responses` are launched per prompt; after
-    every engine step the race is told the live lengths and the responses it gives up are aborted at once
-    (pages freed). Only the accepted prompts' kept responses come back (`stats["accepted"]`: their local
-    prompt indices) and only theirs are waited for; the stats count the aborted responses and tokens and
-    the decoded tokens thrown away (aborted + finished but not kept). A race with `filter_equal` (DAPO
-    dynamic sampling) is told each decided prompt's group rewards as they arrive; `stats["dropped"]` are
-    the local prompts whose rewards were all equal (neither returned nor to be queued).
-
-    `params_fn(row, params) -> SamplingParams` may adjust each prompt's request (benchmarks give each prompt
-    its own stop tokens). `route(prompts) -> (instances, priorities)` (StreamRL skew-aware placement) picks
-    each prompt's instance (None: the engine's router) and LPT priority. Streaming hooks (RollPacker's stream trainer): `on_step(finished, total)` after
-    every engine step of a round without a race (responses finished so far, of `total`); `on_group(p,
-    completions, rewards)` as soon as prompt p's kept responses are all scored (and, in a race, p is
-    accepted), in sample order.
-
-    `score=False`: nothing is scored here (a graph whose reward node does not stream: it scores the batch
-    after the rollout, `score_batch`); the rewards come back as zeros and the stats count no items.
-
-    `turns` (multi-turn, a `jaxrl.train.trajectories.TurnRound` of these rows): each sample is a trajectory;
-    its turns step its environment as they end and its observations continue it in the engine. A sample
-    "finishes" (the race, `on_group`) when its trajectory ends; its reward is the sum of its steps' and the
-    stats count environment steps as items (`stats["env"]`: the round's counters).
-
-    Carried partial responses (`jaxrl.rollout.partial_carry`, tail batching's `carry_partial`): `carried[p]`
-    is (the step prompt p was deferred at, its carried `Partial`s) or None; those responses continue (or, when
-    finished, are scored as they are) in the first slots of p's group. `carry=True` with a race: the
-    responses of the prompts the race neither accepts nor drops come back as `stats["partials"]` (local prompt
-    -> the `Partial`s it carries).
-    """
-    if not score and (on_group is not None or (race is not None and race.filter_equal) or turns is not None):
-        raise ValueError("rollout_and_score(score=False): on_group, dynamic sampling and multi-turn need the "
-                         "rewards as they come")
-    r = cfg.rollout
-    G = responses or cfg.algo.group_size
-    sched = pool if isinstance(pool, RewardScheduler) else RewardScheduler(pool)
-    rids, arrived_before = [], []
-    placed = [{}] * len(prompts) if route is None else [dict(instance=i, priority=q) for i, q in zip(*route(prompts))]
-    for ids, row, where_to in zip(prompts, rows, placed):
-        params = SamplingParams.from_config(r, n=G, stop_token_ids=eos_ids,
-                                            seed=request_seed(cfg.seed, step, int(row["index"])),
-                                            return_kv=uses_rollout_kv(cfg))
-        params = params if params_fn is None else params_fn(row, params)
-        if turns is not None:
-            params = turns.mt.params(params)
-        if carried is not None and carried[len(rids)] is not None:
-            deferred_at, parts = carried[len(rids)]
-            group, done = resume_group(svc, ids, params, parts, request_seed(cfg.seed, deferred_at, int(row["index"])),
-                                       **where_to)
-            rids.append(group)
-            arrived_before += [(len(rids) - 1, j, c) for j, c in done.items()]
-            continue
-        rids.append(svc.add(ids, params, **where_to))
-        if turns is not None:
-            turns.start(len(rids) - 1, rids[-1], params)
-    where = {rid: (p, j) for p, group in enumerate(rids) for j, rid in enumerate(group) if rid is not None}
-    comps: list[list[Completion | None]] = [[None] * G for _ in prompts]
-    scores = np.zeros((len(prompts), G), np.float32)
-    waiting, results, first_error = {}, {}, []
-    aborted = aborted_tokens = engine_steps = finished = 0
-    partials = {}                              # carry: (p, j) -> the partial completion an abort returned
-    emitted: set[int] = set()
-    told: set[int] = set()
-
-    def emit_groups():
-        """Hand every prompt whose kept responses are all scored to `on_group`, once."""
-        if on_group is None or (race is not None and not race.decided):
-            return
-        for p in (range(len(prompts)) if race is None else race.accepted):
-            js = range(G) if race is None else race.kept(p)
-            if p not in emitted and all((p, j) in results for j in js):
-                emitted.add(p)
-                on_group(p, [comps[p][j] for j in js], np.asarray([scores[p, j] for j in js], np.float32))
-
-    def tell_race():
-        """Each decided prompt's kept group, once fully scored, to the race (dynamic sampling decides on it)."""
-        for p in race.known if race is not None and not race.decided else ():
-            js = race.kept(p)
-            if p not in told and all((p, j) in results for j in js):
-                told.add(p)
-                race.scored(p, [scores[p, j] for j in js])
-
-    def finish(p, j, c):
-        nonlocal finished
-        comps[p][j] = c
-        if race is not None:
-            race.finished(p, j, len(c.tokens))
-        finished += 1
-
-    def arrived(p, j, c):
-        """Response j of prompt p came out of the engine (or was carried in finished): to its reward."""
-        if turns is not None:
-            turns.turn_ended((p, j), c)
-            return
-        finish(p, j, c)
-        if not score:
-            return
-        row = rows[p]
-        name = reward_name(row, cfg.rewards.fn, cfg.rewards.registry, default=reward_fn_for)
-        sched.submit((p, j), reward_item(name, tokenizer.decode(c.tokens), row))
-        waiting[p, j] = name
-
-    def take_trajectories(ended):
-        for (p, j), c, reward, status in ended:
-            finish(p, j, c)
-            scores[p, j], results[p, j] = reward, status
-
-    def take(polled):
-        for res in polled.responses:
-            name = waiting.pop(res.key, None)
-            if name is None:          # a response given up after it was submitted
-                continue
-            p, j = res.key
-            scores[p, j] = res.score
-            results[p, j] = res.status
-            if res.status != "ok" and not first_error:
-                first_error.append(f"{res.status} in {name}: {res.error}")
-
-    # with a race, also until it is decided: its poll gathers from every process, so a process whose own
-    # requests are done keeps polling with the others (and dynamic sampling waits for group rewards); with
-    # PAT over several processes, until every process has finished: its decisions are agreed at common ticks
-    for p, j, c in arrived_before:             # carried responses that had finished already
-        arrived(p, j, c)
-    pat = getattr(svc, "adaptive", None)       # (a stand-in service may have no PAT driver at all)
-    pat = pat if pat is not None and pat.agree is not None else None
-    if pat is not None:
-        pat.begin()
-    while (svc.has_work() or (race is not None and not race.decided) or (pat is not None and pat.pending())
-           or (turns is not None and turns.pending)):
-        if not svc.has_work():       # (in the order a working process runs them: the engine step's tick first)
-            if pat is not None and pat.pending():
-                pat.idle_tick(svc)
-            if turns is not None and turns.pending:      # every live trajectory waits on its environment
-                take_trajectories(turns.poll(timeout=0.02 if race is None or race.decided else 0.005))
-            if race is not None and not race.decided:
-                take(sched.poll(timeout=0.02))
-                tell_race()
-                race.poll()
-            else:
-                take(sched.poll(timeout=0))
-            continue
-        engine_steps += 1
-        for c in svc.step():
-            arrived(*where[c.request_id], c)
-        if turns is not None:
-            take_trajectories(turns.poll())
-        else:
-            take(sched.poll())
-        if on_step is not None and race is None:
-            on_step(finished, len(prompts) * G)
-        if race is not None:
-            tell_race()
-            for s in svc.sequence_stats():
-                race.progress(*where[s["request_id"]], s["generated"])
-            for p, j in race.poll():
-                if turns is not None:
-                    turns.cancel((p, j))
-                partial = svc.abort(rids[p][j])
-                if partial is not None:
-                    aborted += 1
-                    aborted_tokens += len(partial.tokens)
-                    if carry:
-                        partials[p, j] = partial
-        emit_groups()
-    accepted = list(range(len(prompts))) if race is None else race.accepted
-    kept = [(p, j) for p in accepted for j in (range(G) if race is None else race.kept(p))]
-    wanted = set(kept)
-    for key in [k for k in waiting if k not in wanted]:
-        del waiting[key]                       # would be scored for nothing
-        sched.cancel(key)
-    t0 = time.perf_counter()
-    while waiting:
-        take(sched.poll(timeout=1.0))
-        emit_groups()
-    emit_groups()
-    statuses = [results[pj] for pj in kept] if score else []
-    wasted = sum(len(c.tokens) for p, row in enumerate(comps) for j, c in enumerate(row)
-                 if c is not None and (p, j) not in wanted)
-    scored = turns.stats() if turns is not None else dict(
-        items=len(statuses), timeouts=statuses.count("timeout"), crashes=statuses.count("crash"),
-        first_error=first_error[0] if first_error else "")
-    stats = dict(**scored, seconds=time.perf_counter() - t0,
-                 engine_steps=engine_steps, accepted=accepted,
-                 dropped=[] if race is None else list(race.dropped), aborted=aborted, aborted_tokens=aborted_tokens,
-                 wasted_tokens=wasted + aborted_tokens)
-    if carry and race is not None:
-        deferred = [p for p in range(len(prompts)) if p not in set(accepted) | set(race.dropped)]
-        stats["partials"] = carry_from_round(comps, partials, deferred, cfg.algo.group_size, svc.version)
-    return [comps[p][j] for p, j in kept], np.asarray([scores[p, j] for p, j in kept], np.float32), stats
+    `race` -> `RaceSelection` (with `carry`: carried partials out), `params_fn` -> `RequestParams`, `route` ->
+    `Placement`, `carried` -> `CarriedPartials`, `on_step` -> `StepProgress`, `on_group` -> `GroupStream`,
+    `turns` -> `TrajectoryScores`, `score=False` -> `NoScores` (else `StreamedRewards` on `pool`); PAT's agreed
+    ticks join when the service has them. See each component for what it does, and `RolloutLoop.run` for
+    what comes back."""
+    scorer = (TrajectoryScores(turns) if turns is not None else
+              StreamedRewards(pool, tokenizer, cfg.rewards, reward_fn_for) if score else NoScores())
+    selection = None if race is None else RaceSelection(race, scorer, carry=carry, keep=cfg.algo.group_size)
+    hooks = [h for h in (RequestParams(params_fn) if params_fn is not None else None,
+                         Placement(route) if route is not None else None,
+                         CarriedPartials(carried, cfg.seed) if carried is not None else None,
+                         PatTicks.of(svc),
+                         StepProgress(on_step) if on_step is not None else None,
+                         GroupStream(on_group) if on_group is not None else None) if h is not None]
+    if not score and turns is not None:
+        raise ValueError("rollout_and_score(score=False): multi-turn needs the rewards as they come")
+    loop = RolloutLoop(svc, Requests.from_config(cfg, step, eos_ids, responses), scorer, selection, hooks)
+    return loop.run(prompts, rows)
 
 
 def score_batch(sched: RewardScheduler, tokenizer, cfg: TrainConfig, rows: list[dict], comps: list[Completion],

@@ -50,6 +50,9 @@ from .distributed import allgather, exchange, global_sum
 from .grad_stream import GradientStream
 from .pipeline import Prefetched
 from .preflight import StartupError
+from .rollout_components import (CarriedPartials, GroupStream, NoScores, PatTicks, Placement, RaceSelection,
+                                 StepProgress, StreamedRewards, TrajectoryScores)
+from .rollout_loop import Requests, RolloutLoop, uses_rollout_kv
 from .rounds import tail_round
 from .skew_step import SkewStep
 from .shrink import kept_instances
@@ -188,25 +191,15 @@ class RolloutSide:
         def rollout(rows, race=None, responses=None, carried=None):     # one round, or a dynamic sampling wave
             turns = self.turns.round(self.svc, rows) if self.turns else None    # an environment reset per row
             prompts = encode_prompts(turns.rows if turns else rows, self.tokenizer, cfg.data.chat)
-            hooks = {}
-            if on_group is not None:     # each scored group, with its advantages, to the gradient stream
-                def group(p, comps, rewards):
-                    if drop_equal and np.all(rewards == rewards[0]):
-                        return           # dynamic sampling drops it after the round (a long round's filter)
-                    adv = rl.advantages(cfg, rewards, [len(c.tokens) for c in comps])
-                    on_group([Sample(prompts[p], c.tokens, a, kv=c.kv, mask=trained_mask(c))
-                              for c, a in zip(comps, adv)])
-                hooks["on_group"] = group
-            if self.stream:              # milestone checks after each engine step (may free half the devices)
-                hooks["on_step"] = lambda finished, total: self.stream.on_progress(self.svc, finished, total,
-                                                                                   self.instance_classes())
-            if self.skew:                # (the long-tail instances: among those the stream trainer never frees)
-                hooks["route"] = lambda ps: self.skew.place(
-                    self.svc, ps, max_long=kept_instances(self.svc) if self.stream else None)
-            return rl.rollout_and_score(self.svc, self.rewards, self.tokenizer, cfg, prompts, rows, step,
-                                        self.tokenizer.eos_ids, race=race, responses=responses, score=score,
-                                        turns=turns, carried=carried,
-                                        carry=cfg.rollout.tail_batching.carry_partial, **hooks)
+            scorer = (TrajectoryScores(turns) if turns else StreamedRewards(self.rewards, self.tokenizer, cfg.rewards)
+                      if score else NoScores())
+            selection = None if race is None else RaceSelection(race, scorer, cfg.rollout.tail_batching.carry_partial,
+                                                                keep=cfg.algo.group_size)
+            hooks = [CarriedPartials(carried, cfg.seed) if carried is not None else None, PatTicks.of(self.svc),
+                     *self._stream_hooks(on_group, prompts, drop_equal)]
+            loop = RolloutLoop(self.svc, Requests.from_config(cfg, step, self.tokenizer.eos_ids, responses), scorer,
+                               selection, [h for h in hooks if h is not None])
+            return loop.run(prompts, rows)
 
         plan = None
         if self.tail:     # a short round's race (+ dynamic sampling's waves) or a long round from the queue
@@ -246,6 +239,27 @@ class RolloutSide:
         if self.tail:
             mech["tail/queue_len"] = len(self.tail.queue)
         return mech
+
+    def _stream_hooks(self, on_group, prompts: list[list[int]], drop_equal: bool) -> list:
+        """This rollout's hooks for the gradient streams and StreamRL's placement: each scored group, with its
+        advantages, to the stream (`on_group`; dynamic sampling drops an all-equal group after the round, as a
+        long round's filter does); the stream trainer's milestone checks after each engine step (it may free
+        half the devices); the skew-aware placement (long-tail instances among those the stream trainer keeps)."""
+        cfg, hooks = self.cfg, []
+        if on_group is not None:
+            def group(p, comps, rewards):
+                if drop_equal and np.all(rewards == rewards[0]):
+                    return
+                adv = rl.advantages(cfg, rewards, [len(c.tokens) for c in comps])
+                on_group([Sample(prompts[p], c.tokens, a, kv=c.kv, mask=trained_mask(c)) for c, a in zip(comps, adv)])
+            hooks.append(GroupStream(group))
+        if self.stream:
+            hooks.append(StepProgress(lambda finished, total: self.stream.on_progress(
+                self.svc, finished, total, self.instance_classes())))
+        if self.skew:
+            hooks.append(Placement(lambda ps: self.skew.place(
+                self.svc, ps, max_long=kept_instances(self.svc) if self.stream else None)))
+        return hooks
 
     def instance_classes(self) -> dict[int, str] | None:
         """StreamRL's skew placement of the running layout: instance -> "long" / "regular" (None: none)."""
@@ -325,7 +339,7 @@ class RolloutSide:
         """The sampling params every rollout request of this run uses (what `svc.warm` compiles for)."""
         return [SamplingParams.from_config(self.cfg.rollout, n=self.cfg.algo.group_size,
                                            stop_token_ids=self.tokenizer.eos_ids,
-                                           return_kv=rl.uses_rollout_kv(self.cfg))]
+                                           return_kv=uses_rollout_kv(self.cfg))]
 
     # ------------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
