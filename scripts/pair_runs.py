@@ -33,8 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from jaxrl.config.composition import MECHANISMS, overrides, pair_matrix  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
-from tests.pat_profiles import forcing_profile  # noqa: E402
-from tests.train_runs import TINY  # noqa: E402
+from jaxrl.testing import TINY, forcing_profile  # noqa: E402
 
 OUT = ROOT / "scripts" / "results" / "pair_runs.json"
 OUTPUTS = ("pair_runs.json",)   # its files in scripts/results/ (tests/test_docs.py)

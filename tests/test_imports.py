@@ -63,7 +63,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl.train", "jaxrl.eval"),       # the train stages (step, update, batch, blockwise, stream, ...); held-out eval
     ("jaxrl.flow",),
     ("jaxrl.train.trainer", "jaxrl.train.__main__", "jaxrl.generate", "jaxrl.eval.__main__", "jaxrl.demo",
-     "jaxrl.sim"),                       # the simulator runs the mechanisms' own decision code
+     "jaxrl.sim", "jaxrl.testing"),      # the simulator runs the mechanisms' own decision code; what tests and
+                                         # scripts share
 )
 ROOT_PACKAGE = "jaxrl"                   # its __init__ is a docstring: below everything
 

@@ -22,20 +22,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrl.testing import FEWER_SHAPES, TINY  # noqa: F401 (shared with scripts/, which must not import tests/)
 from models import load_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-# One decode batch bucket per doubling and one page-table width: fewer programs to build (tokens depend on
-# neither; padding rows cost a tiny model little next to a compilation). The default buckets' warm-up is run by
-# test_bench_cold_start.py (and by the quickstart in the README).
-FEWER_SHAPES = ["engine.batch_buckets_per_octave=1", "engine.page_buckets=1"]
-TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=8", "algo.group_size=4",
-        "rollout.max_new_tokens=12", "data.num_examples=400", "rewards.num_workers=0", "engine.max_batch=32",
-        "engine.max_seq_len=128", "data.max_prompt_len=96",
-        "trainer.warmup=false",   # 1-3 step runs use few shapes; the quickstart test covers the warm-up
-        *FEWER_SHAPES,
-        "curves=false"]    # no curves.png: matplotlib's import and a draw are ~0.7 CPU-s of a ~4 s run (the
-                           # run-dir test and the user-path test draw it)
 PARAM_ATOL_F32 = 1e-5
 # a float32 metric that is 0 in exact arithmetic (the KL to a reference equal to the policy, step 0's gradient
 # with every advantage 0) but is computed by two programs that may round apart: rounding noise measured 0-6e-9
