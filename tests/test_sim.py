@@ -307,6 +307,8 @@ DECISIONS = {   # mechanism module -> the decision functions and classes the sim
     "jaxrl/train/balance.py": ["best_split", "scale_up_due"],
     "jaxrl/train/rounds.py": ["tail_round"],
     "jaxrl/train/rl.py": ["rollout_and_score", "score_batch"],
+    "jaxrl/train/rollout_loop.py": ["RolloutLoop", "Requests"],
+    "jaxrl/train/rollout_components.py": ["RaceSelection", "StreamedRewards", "GroupStream", "StepProgress"],
     "jaxrl/rewards/timeouts.py": ["AdaptiveTimeouts"],
     "jaxrl/rollout/profile.py": ["measure_layout", "measure_point"],
 }

@@ -48,6 +48,9 @@ from jaxrl.rollout.tail_batching import TailBatcher
 from jaxrl.rollout.tp_switch import AdaptiveTP
 from jaxrl.train import rl
 from jaxrl.train.pipeline import Timeline
+from jaxrl.train.rollout_components import (GroupStream, NoScores, Placement, RaceSelection, RequestParams,
+                                            StepProgress, StreamedRewards)
+from jaxrl.train.rollout_loop import Requests, RolloutLoop
 from jaxrl.train.rounds import tail_round
 from jaxrl.train.shrink import milestone_due, shrink_plan, take_shrink
 from models import preset
@@ -181,7 +184,7 @@ class RowSim:
         self._last_engine = t1
 
     # ------------------------------------------------------------------ one step
-    def _rollout(self, step: int, rec: StepRecord, hooks: dict):
+    def _rollout(self, step: int, rec: StepRecord, hooks: list):
         streamed = "async_reward" in self.m or self.disagg
 
         def rollout(rows, race=None, responses=None):       # (carried partials: refused by SimConfig)
@@ -192,14 +195,12 @@ class RowSim:
                     raise RuntimeError(f"request seed collision at step {step}: rows {self.seed_rows[seed]} and "
                                        f"{r['index']}")
                 self.seed_rows[seed] = r["index"]
-            kw = dict(hooks)
-            if "skew" in self.m:
-                kw["route"] = self._place
-            if self.params_fn is not None:
-                kw["params_fn"] = self.params_fn
-            comps, rewards, st = rl.rollout_and_score(self.svc, self.rewards, SimTokenizer(), self.tc, prompts, rows,
-                                                      step, (EOS,), race=race, responses=responses, score=streamed,
-                                                      **kw)
+            scorer = StreamedRewards(self.rewards, SimTokenizer(), self.tc.rewards) if streamed else NoScores()
+            parts = [*([Placement(self._place)] if "skew" in self.m else []),
+                     *([RequestParams(self.params_fn)] if self.params_fn is not None else []), *hooks]
+            loop = RolloutLoop(self.svc, Requests.from_config(self.tc, step, (EOS,), responses), scorer,
+                               None if race is None else RaceSelection(race, scorer), parts)
+            comps, rewards, st = loop.run(prompts, rows)
             if not streamed:
                 t0 = self.clock()
                 G = len(comps) // max(1, len(st["accepted"]))
@@ -303,7 +304,8 @@ class RowSim:
         return max(self._gen_free, self._ready[need] if need >= 0 else 0.0)
 
     def _hooks(self, rec: StepRecord):
-        """Stream trainer / disaggregated pipelining: the hooks of `rollout_and_score` and the train worker."""
+        """Stream trainer / disaggregated pipelining: the rollout loop's hooks (`jaxrl.train.rollout_components`)
+        and the train worker."""
         forwards = 1 + int(self.tc.algo.kl_coef > 0)
 
         def work(tokens, attended, devices):
@@ -318,9 +320,9 @@ class RowSim:
                 prompt = np.asarray([len(c.prompt) for c in comps], np.float64)
                 worker.submit(self.clock(), float(resp.sum() + prompt.sum()), attended_pairs(prompt, resp))
 
-            return {"on_group": on_group}, worker
+            return [GroupStream(on_group)], worker
         if "stream_trainer" not in self.m:
-            return {}, None
+            return [], None
         s = self.tc.trainer.stream
         state = {"last": 0, "freed": None, "held": []}
         worker = _Worker(self.timeline, "freed", self.gen_gpus // 2, work)
@@ -349,7 +351,7 @@ class RowSim:
             else:
                 worker.submit(self.clock(), *item)
 
-        return {"on_step": on_step, "on_group": on_group}, worker
+        return [StepProgress(on_step), GroupStream(on_group)], worker
 
     def _finish(self, rec: StepRecord, tokens: float, attended: float, early, now: float) -> None:
         """The training side of the step and the weight sync; sets rec.end and the pools' next free times."""
