@@ -21,7 +21,8 @@ system: median step seconds over every measured step (step 0 included; jaxrl com
 its rollout/train split, the whole process's seconds (start to exit), and the fraction of the machine's
 float32 peak (a 2048³ matmul measured at the start) the steps reach:
 
-    FLOPs of a step (counted as computed; the same work for both, from the step's own lengths):
+    FLOPs of a step (ideal counts, not what either system computes: causal attention per sequence, one
+    sequence per row, no padding or chunking; the same count for both, from the step's own lengths):
       rollout: prefill 2·N·p + causal attention per prompt, decode 2·(N + E·V) + 4·layers·heads·d·context
                per generated token
       train:   3 x the forward of every prompt and response token (2·N per token, causal attention

@@ -499,6 +499,7 @@ _load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, loa
 _load_module("docs_real_model", ROOT / "scripts" / "docs_real_model.py").register(renders, load, table, footer,
                                                                                  lambda: RESULTS)
 _load_module("docs_sim", ROOT / "scripts" / "docs_sim.py").register(renders, load, table, footer, machine, _load_module)
+_load_module("docs_config", ROOT / "scripts" / "docs_config.py").register(renders)       # docs/config.md
 
 # ------------------------------------------------------------------------------------------------ pages
 

@@ -30,7 +30,8 @@ def register(renders, load, table, footer, machine, load_module):
         return (table(["row (start layout)", "steps", "round types", "engine steps", "preemptions", "PAT switches",
                        "counts equal", "rollout s, measured", "rollout s, simulated", "error"], "llllllllll", rows)
                 + f"\n\nAll rows together: {d['total_time_error']:+.1%}; the largest single-step error "
-                  f"{d['max_abs_time_error']:.0%}.\n\n" + footer("bench_sim_validation.json"))
+                  f"{d['max_abs_time_error']:.0%}. The model: {d['model_params']:,} parameters (`model_params`)."
+                  "\n\n" + footer("bench_sim_validation.json"))
 
     def _sim():
         """bench_sim_cluster.py's own table functions (one formatting for its .md and for these pages)."""

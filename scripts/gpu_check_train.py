@@ -4,10 +4,11 @@ train   scripts/bench_train.py's RL step (GRPO clipped loss + k3 KL, chunked log
         `OPTIM`, `grpo_samples`, `packed_batch`, `compile_step`, `step_flops`) at the qwen3-0.6b shape in
         bfloat16 on 16 rows x 1024 tokens (16384 packed tokens; the tiny model and batch with --smoke).
         Seconds per step (median of 3 after a warm-up), and MFU = model FLOPs / step seconds / the bf16 matmul
-        peak the env section measured, with attention FLOPs halved for the causal mask (bench_train's formula
-        counts the full S x S square; both totals are recorded). Beside it, where torch has CUDA,
-        bench_train_torch's `TorchStep` (transformers' model with the same weights, full logits, bf16 on the
-        GPU) on the same rows.
+        peak the env section measured, the FLOPs from bench_train's `step_flops`, which counts attention
+        causally, as `attention_chunked` computes it (`causal_pairs`: whole query chunks against the keys up to
+        their end); the full S x S square's total is recorded beside it (`total_full_square`). Beside it, where
+        torch has CUDA, bench_train_torch's `TorchStep` (transformers' model with the same weights, full logits,
+        bf16 on the GPU) on the same rows.
 memory  MetroRLHF's blockwise backward against the full-sequence gradient step at 8K and 16K tokens (one row,
         qwen3-0.6b bf16, Pallas flash attention, blocks of 2048): compiled peak = arguments + outputs + temp -
         aliased bytes of `compiled.memory_analysis()` (scripts/bench_blockwise.py's `memory_row`), and, on a
