@@ -327,3 +327,10 @@ def test_model_sliding_window_override():
     assert "sliding_window" in str(err)
     with pytest.raises(ValueError, match="Llama has no sliding window"):
         ModelSection(preset="tiny-llama", sliding_window=8).model_config()
+
+
+@pytest.mark.parametrize("key,value", [("algo.kl_coef", "-0.1"), ("algo.clip_low", "-0.2"), ("algo.gamma", "-1"),
+                                       ("algo.lam", "1.5")])
+def test_negative_coefficients_are_refused(key, value):
+    with pytest.raises(ConfigError, match=key.split(".")[1]):
+        load_config(CONFIG_CLASSES["quickstart.yaml"], [f"{key}={value}"])

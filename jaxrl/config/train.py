@@ -91,8 +91,11 @@ class AlgoSection(Section):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "gamma", "lam"):
             check_float(name, getattr(self, name))
+        for name in ("clip_low", "clip_high", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         for name in ("gamma", "lam"):
-            if getattr(self, name) > 1:
+            if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(name, f"must be in [0, 1], got {getattr(self, name)}")
         if self.dual_clip is not None:
             check_float("dual_clip", self.dual_clip, above=1.0)
