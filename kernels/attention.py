@@ -19,7 +19,8 @@ Two implementations:
 The kernels are written for the Pallas Triton (GPU) lowering: `pl.program_id`, ref slicing with `pl.ds`,
 blocks kept in bounds by padding, `lax.div` for index arithmetic. In this repository's CI they only run
 with `interpret=True` on the CPU; `tests/test_attention_kernel.py` also lowers them to Triton IR for
-CUDA (`jax.export`), which checks the Pallas->Triton lowering but not Triton's own compile, nor speed.
+CUDA (`jax.export`), and tests/test_cuda_export.py at every shape the engine and trainer make, which checks the
+Pallas->Triton lowering but not Triton's own compile, nor speed.
 
 Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (GQA: query head h reads kv head h // (H/K)).
 Masking rules (all combined with AND):

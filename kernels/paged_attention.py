@@ -37,10 +37,13 @@ Implementations (`implementation=`):
             program loops over its pages `pages_per_compute_block` at a time with an online softmax and
             stops at the sequence's last valid page; the k_splits partials are merged in XLA. It is
             written for the Triton lowering (tile dims padded/validated as Triton needs: the query-head
-            group is padded to >= 16 rows; page_size * pages_per_compute_block >= 16 and head_dim must
-            be powers of two), but in this repository it has only been run with `interpret=True` on the
-            CPU (`interpret=None` picks that on the CPU backend). Outside interpret mode it refuses to
-            run on non-GPU backends rather than silently falling back.
+            group is padded to >= 16 rows; the pages per compute block are rounded up so that
+            page_size * pages_per_compute_block is a power of two >= 16, the table padded to match
+            (`triton_block_sizes`); page_size and head_dim must be powers of two). In this repository it
+            has run with `interpret=True` on the CPU (`interpret=None` picks that on the CPU backend)
+            and is lowered for CUDA in CI over every decode bucket (tests/test_cuda_export.py), but not
+            yet compiled by Triton nor run on a GPU. Outside interpret mode it refuses to run on non-GPU
+            backends rather than silently falling back.
   `paged_decode_attention_reference` is the plain-jnp oracle (float32 throughout, repeated kv heads).
 
 Dropped on purpose: no VJP (decode only; training uses `kernels.attention`), no logit soft-capping,
@@ -253,23 +256,53 @@ def _round_up(x: int, n: int) -> int:
     return -(-x // n) * n
 
 
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def _pages_per_block(block_sizes: BlockSizes, max_pages: int) -> int:
+    """`pages_per_compute_block` clipped to the pages of one split, rounded up to a power of two (a table of 5
+    pages with the default 8 runs one block of 8, its last 3 slots padding)."""
+    return min(block_sizes.pages_per_compute_block, pl.next_power_of_2(pl.cdiv(max_pages, block_sizes.k_splits)))
+
+
+def triton_block_sizes(block_sizes: BlockSizes, page_size: int, max_pages: int) -> BlockSizes:
+    """The tiling the kernel is lowered for Triton with, for a page table `max_pages` wide.
+
+    Triton's tiles are powers of two and its dot takes at least 16 keys, so the pages per compute block
+    (`_pages_per_block`) are rounded up to a power of two and to at least 16 // page_size; the wrapper pads
+    the table with page 0 to whole compute blocks (slots past `lengths`: masked). So a table of 3, 5, 6 or
+    7 pages (`ShapeBuckets` makes them: a max_seq_len of at most 8 pages, or max_pages / 2^i) runs one
+    block of 4 or 8 pages instead of being refused. Interpret mode takes `block_sizes` as given (tiny
+    tiles, several online-softmax steps in the CPU tests); passing it this function's result runs the
+    Triton tiling there too (whenever the table is at least 16 keys wide). `page_size` itself must be a
+    power of two: the pool is not copied to pad it."""
+    if not _is_pow2(page_size):
+        raise ValueError(f"Triton tiles need page_size to be a power of two, got {page_size} "
+                         "(use a power-of-two engine.page_size, or implementation='xla')")
+    ppcb = max(pl.next_power_of_2(_pages_per_block(block_sizes, max_pages)), pl.cdiv(16, page_size))
+    return dataclasses.replace(block_sizes, pages_per_compute_block=ppcb)
+
+
 def _pallas_partials(q, k_pages, v_pages, page_table, lengths, scale, block_sizes: BlockSizes,
                      interpret: bool, window: int | None = None):
     B, H, D = q.shape
     num_pages, K, page_size, _ = k_pages.shape
     G = H // K
     block_h = max(_MIN_BLOCK_H, pl.next_power_of_2(G))
-    k_splits = block_sizes.k_splits
-    ppcb = min(block_sizes.pages_per_compute_block, pl.cdiv(page_table.shape[1], k_splits))
     if not interpret:
         if jax.default_backend() != "gpu":
             raise NotImplementedError(f"the Pallas paged decode kernel targets GPU (Triton); backend is "
                                       f"{jax.default_backend()!r}: use implementation='xla' or "
                                       "interpret=True")
-        for name, n in (("head_dim", D), ("page_size * pages_per_compute_block", page_size * ppcb)):
-            if n < 16 or n & (n - 1):
-                raise ValueError(f"Triton tiles need {name} to be a power of two >= 16, got {n} "
-                                 f"(page_size={page_size}, {block_sizes})")
+        if D < 16 or not _is_pow2(D):
+            raise ValueError(f"Triton tiles need head_dim to be a power of two >= 16, got {D} "
+                             f"(q{tuple(q.shape)}); use implementation='xla'")
+        block_sizes = triton_block_sizes(block_sizes, page_size, page_table.shape[1])
+        ppcb = block_sizes.pages_per_compute_block
+    else:
+        ppcb = _pages_per_block(block_sizes, page_table.shape[1])
+    k_splits = block_sizes.k_splits
 
     # Pad the page table (with page 0; masked by `lengths`) so it splits into whole compute blocks.
     pages_per_split = _round_up(pl.cdiv(page_table.shape[1], k_splits), ppcb)

@@ -14,6 +14,9 @@ stopping the next one):
   kernels  Pallas flash attention (fwd + grad, f32 and bf16, causal, GQA, q_offset > 0), paged decode
            attention, chunked log-prob/entropy projection, attention_pairs: compiled for the device vs
            their references, at the CPU tests' tolerances                               gpu_check_kernels.py
+  programs every program CI lowers for CUDA (`jaxrl.train.gpu_programs`: the kernel grid, the engine's
+           decode/prefill steps and the update's programs of qwen3-0.6b, llama-3.2-1b and SmolLM2-135M), listed
+           in the report and compiled for the device from abstract inputs       gpu_check_programs.py
   engine   Pallas engine == XLA engine (greedy tokens); decode tok/s at batch 1/16/64/256 at the qwen3-0.6b
            shape with achieved HBM bandwidth / measured copy bandwidth; transformers.generate beside it
                                                                                          gpu_check_engine.py
@@ -59,13 +62,14 @@ sys.path.insert(0, str(HERE.parent))
 SECTIONS = {
     "env": ("gpu_check_common", "run_env", 25, 60),
     "kernels": ("gpu_check_kernels", "run_kernels", 70, 120),
+    "programs": ("gpu_check_programs", "run_programs", 40, 120),
     "engine": ("gpu_check_engine", "run_engine", 85, 120),
     "train": ("gpu_check_train", "run_train", 55, 120),
     "memory": ("gpu_check_train", "run_memory", 50, 120),
     "profile": ("gpu_check_pat", "run_profile_section", 50, 120),
     "targets": ("gpu_check_pat", "run_targets", 90, 120),
 }
-GROUPS = (("env",), ("kernels",), ("engine",), ("train",), ("memory",), ("profile", "targets"))
+GROUPS = (("env",), ("kernels", "programs"), ("engine",), ("train",), ("memory",), ("profile", "targets"))
 TOTAL_S = 480
 STARTUP_S = 25          # a child's imports and device start-up, beyond its sections' budgets
 SCHEMA = 1

@@ -84,7 +84,8 @@ def markdown(result: dict) -> str:
               "", "#### Sections", "", "| section | status | seconds | budget s |", "|---|---|---:|---:|"]
     lines += [f"| {s} | {r.get('status')} | {_f(r.get('seconds'), '.1f')} | {_f(r.get('budget_s'), '.0f')} |"
               for s, r in secs.items()]
-    lines += _kernels(secs.get("kernels")) + _engine(secs.get("engine")) + _train(secs.get("train"))
+    lines += _kernels(secs.get("kernels")) + _programs(secs.get("programs")) + _engine(secs.get("engine"))
+    lines += _train(secs.get("train"))
     lines += _memory(secs.get("memory")) + _profile(secs.get("profile")) + _targets(summ["targets"])
     return "\n".join(lines) + "\n"
 
@@ -103,6 +104,30 @@ def _kernels(rec) -> list[str]:
         for check, v in c["checks"].items():
             out.append(f"| {name} | {check} | {_f(v['max_err'], '.2e')} | {_f(v['tolerance'], '.1e')} | "
                        f"{_verdict(v['passed'])} |")
+    return out
+
+
+def _programs(rec) -> list[str]:
+    """Every program CI lowered for CUDA (the section's list), with what this run did with it."""
+    info, cases = (rec or {}).get("info") or {}, (rec or {}).get("cases") or {}
+    names = info.get("programs") or []
+    out = ["", "#### Programs CI lowers for CUDA", ""]
+    if not names:
+        return out + [f"programs: {(rec or {}).get('status', 'not run')}."]
+    done = sum(1 for n in names if (cases.get(n) or {}).get("status") == "ok")
+    out += [f"{len(names)} programs (`jaxrl.train.gpu_programs`, tests/test_cuda_export.py), {done} "
+            f"{'lowered' if info.get('backend') == 'cpu' else 'compiled'} here:", "",
+            "| program | status | seconds | note |", "|---|---|---:|---|"]
+    for n in names:
+        c = cases.get(n)
+        if c is None:       # (the CPU smoke lowers two; a GPU run reaches every one, compiled or skipped)
+            out.append(f"| {n} | {'listed' if info.get('backend') == 'cpu' else 'not reached'} | - | |")
+            continue
+        note = c.get("reason") or (c.get("error") or "").strip().splitlines()[-1:] or [""]
+        note = note if isinstance(note, str) else note[0]
+        if c.get("status") == "ok":
+            note = c.get("mode", "") + (f", {c['triton_calls']} Triton calls" if "triton_calls" in c else "")
+        out.append(f"| {n} | {c.get('status')} | {_f(c.get('seconds'), '.1f')} | {note} |")
     return out
 
 

@@ -216,3 +216,20 @@ def test_a_failing_case_is_recorded_and_the_budget_skips_the_rest(tmp_path):
     result["summary"] = summary(result)
     assert result["summary"]["failed_checks"] == ["demo/broken/forward: 0.5 > 0.1"]
     assert gpu_check.exit_status(result) == 1
+
+
+def test_programs_section_lists_what_ci_exports(smoke):
+    """The report lists every program tests/test_cuda_export.py lowers (one list: jaxrl.train.gpu_programs), in
+    the JSON and the Markdown; on the CPU the smoke lowers two of them for CUDA as CI does."""
+    from jaxrl.train import gpu_programs
+
+    _, got, out = smoke
+    sec = got["sections"]["programs"]
+    names = [p.name for p in gpu_programs.programs()]
+    assert sec["info"]["programs"] == names and sec["info"]["count"] == len(names)
+    assert set(sec["cases"]) <= set(names) and len(sec["cases"]) == 2
+    for name, c in sec["cases"].items():
+        assert c["status"] == "ok" and c["mode"] == "cuda export" and c["triton_calls"] >= 1, (name, c)
+    md = (out / "gpu_check.md").read_text()
+    assert f"{len(names)} programs (`jaxrl.train.gpu_programs`" in md
+    assert all(f"| {n} |" in md for n in names)

@@ -12,44 +12,8 @@ from kernels.attention import attention_reference
 from kernels.paged_attention import (BlockSizes, merge_partials, normalize, paged_decode_attention,
                                      paged_decode_attention_reference)
 
-# Set once per dtype (of q and the pages); never loosened to make a test pass.
-TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-IMPLS = ("xla", "pallas")
-# The grid runs the kernel with several online-softmax steps and two key splits per sequence.
-PALLAS_BLOCKS = BlockSizes(pages_per_compute_block=1, k_splits=2)
-KV_HEADS, HEAD_DIM, MAX_PAGES = 2, 16, 4
-
-
-def _lengths(page_size):
-    full = MAX_PAGES * page_size
-    return [0, 1, page_size + 3, full, 2 * page_size, full - 1]  # empty, one key, ragged, full, page-aligned
-
-
-def make_case(ratio, page_size, dtype=jnp.float32, seed=0):
-    """Returns q, k_pages, v_pages, page_table, lengths, k, v (k, v contiguous [B, S, K, D])."""
-    rng = np.random.default_rng(seed)
-    lengths = np.array(_lengths(page_size), np.int32)
-    B, S, K, D, H = len(lengths), MAX_PAGES * page_size, KV_HEADS, HEAD_DIM, KV_HEADS * ratio
-    q = rng.normal(size=(B, H, D))
-    k, v = rng.normal(size=(2, B, S, K, D))
-    past_end = np.arange(S)[None, :] >= lengths[:, None]
-    k[past_end], v[past_end] = 40.0, 1e3  # garbage a leak would expose
-    num_pages = B * MAX_PAGES + 3
-    k_pages = np.full((num_pages, K, page_size, D), 40.0)   # head-major pages
-    v_pages = np.full((num_pages, K, page_size, D), -1e3)
-    ids = rng.permutation(num_pages)
-    table = np.zeros((B, MAX_PAGES), np.int32)
-    for b in range(B):
-        for p in range(MAX_PAGES):
-            if p * page_size < lengths[b]:  # a page the sequence uses
-                page = ids[b * MAX_PAGES + p]
-                k_pages[page] = k[b, p * page_size:(p + 1) * page_size].swapaxes(0, 1)
-                v_pages[page] = v[b, p * page_size:(p + 1) * page_size].swapaxes(0, 1)
-            else:  # unused entry: page 0 (maybe another sequence's) or a garbage page
-                page = 0 if b % 2 else ids[-1 - p % 3]
-            table[b, p] = page
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    return (cast(q), cast(k_pages), cast(v_pages), jnp.asarray(table), jnp.asarray(lengths), cast(k), cast(v))
+from kernels.testing.paged_cases import (HEAD_DIM, IMPLS, KV_HEADS, MAX_PAGES, PALLAS_BLOCKS, TOL,  # noqa: F401
+                                        _lengths, make_case)     # (shared with scripts/)
 
 
 def run(impl, q, k_pages, v_pages, table, lengths, **kw):
@@ -191,3 +155,48 @@ def test_sliding_window_matches_both_oracles(impl, window):
                                **TOL[jnp.float32])
     full = normalize(*run(impl, q, kp, vp, table, lengths)[:2])
     assert np.abs(np.asarray(full) - np.asarray(normalize(*got[:2])))[np.asarray(lengths) > window].max() > 1e-3
+
+
+def test_triton_tiles_are_powers_of_two_for_every_width():
+    """Issue 73: Triton wants page_size x pages_per_compute_block a power of two >= 16. For every page-table
+    width `ShapeBuckets` can make (1-8 kept as they are, then up to 64) and every power-of-two page size,
+    `triton_block_sizes` gives such a block, never more pages than the split rounded up to a power of two
+    (or one Triton block); a page size that is not a power of two is refused, naming it."""
+    from kernels.paged_attention import triton_block_sizes
+
+    for page_size in (1, 2, 4, 8, 16, 32):
+        for width in range(1, 65):
+            for bs in (BlockSizes(), BlockSizes(1, 1), BlockSizes(3, 2), BlockSizes(8, 3)):
+                ppcb = triton_block_sizes(bs, page_size, width).pages_per_compute_block
+                block = ppcb * page_size
+                assert block >= 16 and block & (block - 1) == 0, (page_size, width, bs, ppcb)
+                split = -(-width // bs.k_splits)
+                assert ppcb <= max(1 << (split - 1).bit_length(), -(-16 // page_size)), (page_size, width, bs)
+    assert triton_block_sizes(BlockSizes(), 16, 64).pages_per_compute_block == 8     # the default is kept
+    assert triton_block_sizes(BlockSizes(), 16, 5).pages_per_compute_block == 8      # 5 pages: one block of 8
+    with pytest.raises(ValueError, match="page_size to be a power of two, got 12"):
+        triton_block_sizes(BlockSizes(), 12, 8)
+
+
+@pytest.mark.parametrize("width", [3, 5, 6, 7])
+def test_triton_tiling_matches_reference_in_interpret_mode(width):
+    """The tiles the GPU lowering takes for the widths it used to refuse (16-token pages, SmolLM2's 3 query heads
+    per kv head), run in interpret mode on a garbage-filled pool: the padded table's page-0 slots stay masked."""
+    from kernels.paged_attention import triton_block_sizes
+
+    rng = np.random.default_rng(width)
+    page_size, K, ratio, D = 16, 2, 3, 16
+    lengths = np.array([0, 1, page_size + 3, width * page_size, width * page_size - 5], np.int32)
+    B = len(lengths)
+    num_pages = B * width + 2
+    k_pages = rng.normal(size=(num_pages, K, page_size, D)) * 3
+    v_pages = rng.normal(size=(num_pages, K, page_size, D)) * 3
+    k_pages[0], v_pages[0] = 40.0, 1e3                      # page 0: what the padded table slots point at
+    table = rng.permutation(np.arange(1, num_pages))[:B * width].reshape(B, width).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(B, K * ratio, D)), jnp.float32)
+    args = (q, jnp.asarray(k_pages, jnp.float32), jnp.asarray(v_pages, jnp.float32), jnp.asarray(table),
+            jnp.asarray(lengths))
+    bs = triton_block_sizes(BlockSizes(), page_size, width)
+    assert bs.pages_per_compute_block > width            # the table is padded up to one Triton block
+    got = paged_decode_attention(*args, implementation="pallas", interpret=True, block_sizes=bs)
+    assert_partials_close(got, paged_decode_attention_reference(*args), lengths, TOL[jnp.float32])
