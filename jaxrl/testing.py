@@ -1,5 +1,6 @@
 """What the tests and the scripts that run small jobs share (the scripts must not import `tests/`): the tiny
-train-run settings and a PAT latency profile that forces the switch controller's hand.
+train-run settings, a PAT latency profile that forces the switch controller's hand, and the engine tests'
+prompt lengths and tolerance (the kernels' test cases: `kernels.testing`).
 
     from jaxrl.testing import TINY, forcing_profile
     subprocess.run([sys.executable, "-m", "jaxrl.train", *TINY, "steps=2"])
@@ -23,6 +24,11 @@ TINY = ["warm_start.steps=3", "warm_start.batch_size=8", "algo.prompts_per_step=
                            # run-dir test and the user-path test draw it)
 
 PROFILE_CFG = PRESETS["tiny-qwen3"]       # the shapes forcing_profile describes
+
+# The engine's tests against the model's forward (tests/test_rollout.py, scripts/gpu_check_engine.py).
+LOGPROB_ATOL_F32 = 1e-4
+ROLLOUT_CFG = PRESETS["tiny-qwen3"]       # 8 heads, 2 kv heads: tp=4 replicates kv heads
+PROMPT_LENS = (3, 9, 16, 17, 30, 5)
 
 
 def forcing_profile(prefer: str) -> Profile:

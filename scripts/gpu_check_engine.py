@@ -35,7 +35,7 @@ def pallas_equals_xla(smoke: bool) -> dict:
 
     from jaxrl.rollout import SamplingParams, generate
     from models import init
-    from tests.test_rollout import CFG, LOGPROB_ATOL_F32, PROMPT_LENS
+    from jaxrl.testing import LOGPROB_ATOL_F32, PROMPT_LENS, ROLLOUT_CFG as CFG
 
     weights = init(jax.random.key(0), CFG)
     rng = np.random.default_rng(0)

@@ -50,7 +50,7 @@ def flash(c, dtype, interpret: bool) -> dict:
     import numpy as np
 
     from kernels.attention import attention, attention_reference
-    from tests.test_attention_kernel import ATOL, make_inputs
+    from kernels.testing.attention_cases import ATOL, make_inputs
 
     args, cot, kw = make_inputs(c, dtype)
 
@@ -103,7 +103,7 @@ def paged(ratio: int, dtype, interpret: bool, big: bool = False) -> dict:
 
     from kernels.paged_attention import (BlockSizes, normalize, paged_decode_attention,
                                          paged_decode_attention_reference)
-    from tests.test_paged_attention import PALLAS_BLOCKS, TOL, make_case
+    from kernels.testing.paged_cases import PALLAS_BLOCKS, TOL, make_case
 
     if big:
         q, kp, vp, table, lengths = _paged_big(dtype)
@@ -131,7 +131,7 @@ def paged(ratio: int, dtype, interpret: bool, big: bool = False) -> dict:
 def logprob(n: int, v: int, temperature: float, dtype, e: int | None = None) -> dict:
     import numpy as np
 
-    from tests.test_logprobs import E, TOL, cotangents, f32, make_case, outputs_and_grads
+    from kernels.testing.logprob_cases import E, TOL, cotangents, f32, make_case, outputs_and_grads
 
     e = e or E
     hidden, w, targets = make_case(n, v, dtype, e=e)
@@ -158,7 +158,7 @@ def pairs(c) -> dict:
 
     from kernels.attention import attention_reference
     from kernels.attention_pairs import attention_pairs
-    from tests.test_attention_kernel import ATOL, make_inputs
+    from kernels.testing.attention_cases import ATOL, make_inputs
 
     args, cot, kw = make_inputs(c, jnp.float32)
     off = kw.pop("q_offset")
@@ -185,7 +185,7 @@ def plan(smoke: bool) -> list[tuple[str, object, tuple]]:
     """(case name, function, args) in priority order."""
     import jax.numpy as jnp
 
-    from tests.test_attention_kernel import CASES, Case
+    from kernels.testing.attention_cases import CASES, Case
 
     f32, bf16 = jnp.float32, jnp.bfloat16
     interpret = smoke

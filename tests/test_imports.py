@@ -52,7 +52,7 @@ PACKAGES = ("jaxrl", "models", "kernels", "sharding")
 # `jaxrl.data`, whose opt-in code task is scored by the code reward. An entry names a module or a
 # package (all of its modules); the longest matching entry wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kernels",),
+    ("kernels",),                        # (kernels.testing: the kernels' test cases, shared with scripts/)
     ("models",),
     ("sharding",),
     ("jaxrl.runtime", "jaxrl.compile_log", "jaxrl.executable_store", "jaxrl.serialized_executable", "jaxrl.algos"),
@@ -327,6 +327,27 @@ def test_no_imports_inside_functions():
     bad = function_imports(scan(awaiting=AWAITING_CALLERS))
     assert not bad, ("imports inside functions (move them to the module top; LAZY_THIRD_PARTY and "
                      "LAZY_EXCEPTIONS list the allowed ones):\n" + "\n".join(bad))
+
+
+def imports_of_tests(root: Path = ROOT) -> list[str]:
+    """"file:line module" for every import of `tests` (or a module under it) in a script of `scripts/`, at any depth
+    (what both need belongs in the packages: `jaxrl.testing`, `kernels.testing`)."""
+    out = []
+    for path in sorted((root / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            out += [(str(path.relative_to(root)), node.lineno, n) for n in names if n.split(".")[0] == "tests"]
+    return [f"{f}:{line} {n}" for f, line, n in sorted(out)]
+
+
+def test_scripts_do_not_import_tests(tmp_path):
+    bad = imports_of_tests()
+    assert not bad, "scripts/ importing tests/ (move what both need into jaxrl.testing or kernels.testing):\n" + \
+        "\n".join(bad)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "s.py").write_text("def f():\n    from tests.test_x import TOL\nimport tests.y\n")
+    assert imports_of_tests(tmp_path) == ["scripts/s.py:2 tests.test_x", "scripts/s.py:3 tests.y"]
 
 
 def test_allowlists_are_in_use():

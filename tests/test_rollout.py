@@ -12,9 +12,7 @@ from jaxrl.rollout import RolloutService, SamplingParams, generate
 from sharding import Layout, ShardingRules, shardings_for
 from tests.hf_util import hf_model
 
-LOGPROB_ATOL_F32 = 1e-4
-CFG = PRESETS["tiny-qwen3"]            # 8 heads, 2 kv heads: tp=4 replicates kv heads
-PROMPT_LENS = (3, 9, 16, 17, 30, 5)
+from jaxrl.testing import LOGPROB_ATOL_F32, PROMPT_LENS, ROLLOUT_CFG as CFG  # noqa: E402 (shared with scripts/)
 
 
 @pytest.fixture(scope="module")
