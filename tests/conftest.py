@@ -63,7 +63,7 @@ LONGEST_FIRST = ["test_train_e2e.py", "test_train_processes.py", "test_train_poo
                  "test_train_step.py", "test_smollm2.py", "test_bench_adaptive_tp.py", "test_forward_block.py",
                  "test_rollout.py", "test_movable_state.py", "test_vocab_padding.py",
                  "test_sim_engine.py", "test_gpu_check.py", "test_cuda_export.py", "test_bench_lora.py", "test_pat_processes.py",
-                 "test_tail_batching.py", "test_heartbeat.py", "test_stream_trainer.py", "test_scale_up_layouts.py"]
+                 "test_tail_batching.py", "test_launchers.py", "test_heartbeat.py", "test_stream_trainer.py", "test_scale_up_layouts.py"]
 
 
 @pytest.hookimpl(tryfirst=True)

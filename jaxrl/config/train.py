@@ -230,7 +230,8 @@ def check_rollout_kv_processes(t: TrainerSection, processes: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class DistributedSection(Section):
     """jax.distributed: a null value falls back to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-    JAX_PROCESS_ID in the environment; none of them set = single process."""
+    JAX_PROCESS_ID in the environment, then to the launcher jax.distributed detects (mpirun, srun, a Kubernetes
+    Indexed Job: `jaxrl.train.distributed.launch`, docs/cluster.md); none of them = single process."""
 
     coordinator: str | None = None       # host:port of process 0 (JAX_COORDINATOR_ADDRESS)
     num_processes: int | None = None     # processes in the run (JAX_NUM_PROCESSES)

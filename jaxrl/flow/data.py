@@ -33,6 +33,7 @@ class StepData:
     metrics: dict = dataclasses.field(default_factory=dict)     # extra per-step metrics written by nodes
     train_wait_s: float = 0.0               # StreamRL: time the step waited for the train pool
     extra: dict = dataclasses.field(default_factory=dict)       # user nodes' own outputs
+    times: dict = dataclasses.field(default_factory=dict)       # the runner's: node id -> (start, end)
     cache: dict = dataclasses.field(default_factory=dict)       # packed batches (built once, `jaxrl.flow.nodes`)
 
     @property

@@ -5,6 +5,7 @@ worker, §5: every process runs the same chain; no coordinator).
     flow = Flow.build(cfg, streamed_update=...)
     data = StepData(step)
     flow.run(train, data)            # `TrainContext`; each stage in order; data.times[node] = (start, end)
+    flow.rollout_end(data)           # when the first stage (the rollout and what streams from it) ended
 """
 
 from __future__ import annotations
@@ -93,13 +94,17 @@ class Flow:
     def run(self, train: TrainContext, data: StepData) -> StepData:
         """Every stage in order: a pipelined stage's head runs (its streamed consumers' per-item work
         inside it), then each consumer finishes what is left, in chain order."""
-        times = data.extra.setdefault("times", {})
         for st in self.plan.stages:
             for node in st.nodes:
                 t0 = time.perf_counter()
                 self.fns[node.id](FlowContext(train, node, self.plan), data, **node.options)
-                times[node.id] = (t0, time.perf_counter())
+                data.times[node.id] = (t0, time.perf_counter())
         return data
+
+    def rollout_end(self, data: StepData) -> float:
+        """When the step's first stage's head (the rollout, with what streams from it) ended, by the runner's
+        records (`time.perf_counter`)."""
+        return data.times[self.plan.stages[0].head.id][1]
 
 
 def _edges_between(graph: Graph, src: tuple[str, str], dst: tuple[str, str]) -> list[tuple[str, str]]:

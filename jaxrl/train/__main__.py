@@ -1,9 +1,10 @@
 """`python -m jaxrl.train [--config FILE] [--run-dir DIR] [--profile-steps A:B] [--resume=force] [key=value ...]`.
 
 With no arguments: configs/quickstart.yaml (tiny model, built-in tasks, warm start, then GRPO).
-Reads like a table of contents: config -> start-up checks (paths, tokenizer, resume: `preflight`) ->
-devices/distributed -> Trainer (data, rewards, rollout, trainer) -> run -> `RUN_DIR/summary.json`
-(`jaxrl.train.summary`: the figures the README's quickstart table renders) -> where the outputs are.
+Reads like a table of contents: config -> start-up checks (launcher, paths, tokenizer, resume: `preflight`) ->
+the run's processes (`distributed.launch`: settings, else mpirun / srun / Kubernetes) and devices -> Trainer (data,
+rewards, rollout, trainer) -> run -> `RUN_DIR/summary.json` (`jaxrl.train.summary`: the figures the README's
+quickstart table renders) -> where the outputs are.
 A config or start-up error stops here with one line (exit 2), before JAX initialises, anything
 compiles or the run directory is created.
 
@@ -55,12 +56,14 @@ def _flags(argv: list[str]) -> tuple[list[str], str]:
     return out, resume
 
 
-def local_devices(cfg: TrainConfig) -> int:
+def local_devices(cfg: TrainConfig, n_proc: int | None = None) -> int:
     """The devices each process of the run uses: the rollout instances' (colocated: shared with its part of
-    the train mesh), or StreamRL's generation pool (+ spare groups) beside its part of the train pool."""
-    from jaxrl.train.distributed import settings
+    the train mesh), or StreamRL's generation pool (+ spare groups) beside its part of the train pool.
+    `n_proc`: the run's processes (default: as many as its settings or its launcher say, `distributed.launch`)."""
+    from jaxrl.train.distributed import launch
 
-    _, n_proc, _ = settings(cfg.distributed)
+    if n_proc is None:
+        n_proc = launch(cfg.distributed).processes or 1
     if cfg.placement == "disaggregated":
         gen = cfg.engine.tp * (cfg.stage_balance.max_instances or cfg.engine.instances)
         return gen + cfg.train_layout.num_devices // n_proc
@@ -87,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):      # orbax logs every save at INFO through absl
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from jaxrl.train.distributed import initialize
+    from jaxrl.train.distributed import LaunchError, initialize
 
-    initialize(cfg.distributed, local_devices(cfg))
+    try:        # (launched by mpirun, srun, a Kubernetes Indexed Job, or the distributed.* / JAX_* settings)
+        initialize(cfg.distributed, lambda n_proc: local_devices(cfg, n_proc))
+    except LaunchError as e:
+        raise _error(str(e)) from None
     from jaxrl.train.heartbeat import ExitWatch, Heartbeat
 
     heartbeat = Heartbeat.start(timeout_s=cfg.distributed.heartbeat_timeout, run_dir=cfg.run_dir)  # (None: 1 process)

@@ -34,7 +34,8 @@ Guarantees, and what provides them:
 * **Keep last N.** Older steps are deleted after a newer one is committed, never before.
 * **Restored into the caller's shardings.** ``restore(target=...)`` reads each leaf straight into
   the ``NamedSharding`` of the matching target leaf (each device reads only its slice), so a run can
-  resume on a different mesh. Saved shapes and dtypes must match the target exactly: orbax itself
+  resume on a different mesh, and on another number of processes (each reads the slices its devices hold;
+  ``processes(step)`` says how many saved it). Saved shapes and dtypes must match the target exactly: orbax itself
   would silently cast dtypes and pad/truncate shapes, which would break bit-identical resume.
 
 Multi-process runs: every process must call ``save``/``restore``/``latest_step`` with the same
@@ -75,6 +76,7 @@ _ITEMS = ("state", "meta")
 MARKER = "COMMITTED"  # written last, inside the step directory, once everything else is durable
 _FORMAT_KEY = "jaxrl_checkpoint_format"  # in orbax's custom metadata: "this step must have a marker"
 _FORMAT = 2
+_PROCESSES_KEY = "jaxrl_processes"  # in orbax's custom metadata: how many processes saved the step
 _META_FILE = Path("meta") / "metadata"
 
 
@@ -242,6 +244,14 @@ class CheckpointManager:
         except Exception:  # unreadable: decided by the legacy checks and the restore itself
             return None
 
+    def processes(self, step: int) -> int | None:
+        """How many processes saved ``step`` (None: a step saved before this was recorded)."""
+        try:
+            doc = json.loads((self._step_dir(step) / "_CHECKPOINT_METADATA").read_text())
+            return int((doc.get("custom_metadata") or {})[_PROCESSES_KEY])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _verify(self, step: int) -> None:
         """Raise ``_Bad(reason)`` unless ``step`` looks complete (see the module docstring)."""
         d = self._step_dir(step)
@@ -390,7 +400,8 @@ class CheckpointManager:
         saved = self._mgr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            custom_metadata={_FORMAT_KEY: _FORMAT},  # "this step is only complete with its marker"
+            # "this step is only complete with its marker"; the processes that wrote it (a resume may use others)
+            custom_metadata={_FORMAT_KEY: _FORMAT, _PROCESSES_KEY: jax.process_count()},
             force=True,  # the interval decision was made above
         )
         self._mgr.wait_until_finished()

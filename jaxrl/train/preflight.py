@@ -14,8 +14,12 @@ pretrained with learns nothing useful, and nothing else would say so.
 
 **Resume.** A run directory with a committed checkpoint is a run to resume. Its config (the newest of
 `config.yaml` and the `config.step<N>.yaml` files written by later resumes) is compared with the new
-one: equal, or different only in `RUN_LENGTH_KEYS` → resume; different in anything else → stop and
-name the keys, unless `--resume=force`. The saved `config.yaml` is never rewritten by a resume: a
+one: equal, or different only in `RUN_LENGTH_KEYS` and `LAYOUT_KEYS` → resume; different in anything else →
+stop and name the keys, unless `--resume=force`. The layout is where a run runs, not what it computes: a run
+resumes on another process count (the `distributed` keys, a launcher's) or mesh, its arrays restored into the
+new shardings (`checkpoint`), its results then those of a run on the new layout (docs/cluster.md). Only a
+train `tp` that pads the vocabulary rows to another count (`sharding.padded_vocab_for`) changes the arrays'
+shapes, and stops here. The saved `config.yaml` is never rewritten by a resume: a
 resume whose config differs writes `config.step<N>.yaml` beside it (N = the step it resumes at).
 """
 
@@ -34,7 +38,9 @@ from jaxrl import executable_store
 from jaxrl.config import from_yaml, to_yaml
 from jaxrl.config.base import ConfigError
 from jaxrl.config.train import TrainConfig
-from models import load_tokenizer
+from models import load_tokenizer, padded_vocab
+
+from .distributed import launch
 
 # Keys that may change between a run and its resume: how long it runs, how often it saves, what it
 # records, where the processes meet. Everything else changes the training itself.
@@ -43,6 +49,11 @@ RUN_LENGTH_KEYS = ("steps", "save_every", "keep_checkpoints", "profile_steps", "
                    # what a run evaluates and when (eval.split is not here: it takes rows out of training)
                    *(f"eval.{k}" for k in ("data", "every", "at_start", "at_end", "samples", "temperature", "pass_k",
                                            "pass_threshold", "max_prompts", "log_completions", "seed")))
+# Keys that say where a run runs, not what it computes: the train mesh and the rollout instances (their count
+# per process changes with the process count). A resume on others equals a run on them from the start: bit
+# for bit where the math does not depend on the layout (the data, the rollouts' tokens), within float rounding
+# where it does (sums split another way).
+LAYOUT_KEYS = ("train_layout", "engine.instances", "engine.tp")
 RESUME_MODES = ("auto", "force")
 _PROBE = "Hello, world! 0123456789 The quick brown fox: (a+b)=c?\n"
 _STEP_CONFIG = re.compile(r"^config\.step(\d+)\.yaml$")
@@ -193,6 +204,11 @@ class ResumePlan:
     write_config: str | None
     changed: tuple[str, ...] = ()
 
+    @property
+    def relayout(self) -> tuple[str, ...]:
+        """The layout keys (`LAYOUT_KEYS`) this resume changes."""
+        return tuple(k for k in self.changed if any(k == i or k.startswith(i + ".") for i in LAYOUT_KEYS))
+
 
 def plan_resume(cfg: TrainConfig, mode: str = "auto") -> ResumePlan:
     """Decide fresh start or resume of `cfg.run_dir` (see the module docstring); StartupError on a mismatch."""
@@ -215,7 +231,8 @@ def plan_resume(cfg: TrainConfig, mode: str = "auto") -> ResumePlan:
             raise StartupError(f"{absolute(saved_path)}: cannot read the saved config ({e}); continue with "
                                "--resume=force or start a new run with --run-dir DIR") from None
         return ResumePlan(True, f"config.step{steps[-1]}.yaml")
-    differ = config_diff(saved, cfg)
+    differ = config_diff(saved, cfg, ignore=RUN_LENGTH_KEYS + LAYOUT_KEYS)
+    check_vocab_rows(saved, cfg)
     if differ and mode != "force":
         shown = ", ".join(f"{k} ({_short(a)} -> {_short(b)})" for k, a, b in differ[:6])
         more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""
@@ -224,6 +241,19 @@ def plan_resume(cfg: TrainConfig, mode: str = "auto") -> ResumePlan:
                            "DIR, or continue it with the new values with --resume=force")
     changed = tuple(k for k, _, _ in config_diff(saved, cfg, ignore=("run_dir",)))
     return ResumePlan(True, f"config.step{steps[-1]}.yaml" if changed else None, changed)
+
+
+def check_vocab_rows(saved: TrainConfig, cfg: TrainConfig) -> None:
+    """A resume on another train `tp` keeps the embedding's shape: its vocabulary rows are padded to a multiple
+    of tp, and a tp that pads to another count would need rows added or cut (not done: StartupError)."""
+    if saved.train_layout.tp == cfg.train_layout.tp:
+        return
+    vocab = cfg.model.model_config().vocab_size
+    before, after = padded_vocab(vocab, saved.train_layout.tp), padded_vocab(vocab, cfg.train_layout.tp)
+    if before != after:
+        raise StartupError(f"train_layout.tp={cfg.train_layout.tp}: the checkpoint's {vocab}-token vocabulary is "
+                           f"padded to {before} rows (tp {saved.train_layout.tp}), this tp pads it to {after}; "
+                           f"resume on a tp that divides {before}")
 
 
 def _short(v: Any) -> str:
@@ -240,17 +270,20 @@ def write_config(cfg: TrainConfig, plan: ResumePlan) -> None:
     (run_dir / plan.write_config).write_text(to_yaml(cfg))
 
 
-def check_environment() -> None:
-    """The environment variables read only at the first compilation (`jaxrl.executable_store`'s bound)."""
+def check_environment(cfg: TrainConfig | None = None) -> None:
+    """The environment variables read only at the first compilation (`jaxrl.executable_store`'s bound), and the
+    launcher's (`distributed.launch`: a half-configured mpirun, srun or Kubernetes environment)."""
     try:
         executable_store.max_bytes_from_env()
+        if cfg is not None:
+            launch(cfg.distributed)
     except ValueError as e:
         raise StartupError(str(e)) from None
 
 
 def preflight(cfg: TrainConfig, resume: str = "auto") -> ResumePlan:
     """Every check above, in order; returns the resume plan. Creates nothing."""
-    check_environment()
+    check_environment(cfg)
     check_paths(cfg)
     check_tokenizer(cfg)
     return plan_resume(cfg, resume)

@@ -8,6 +8,13 @@ Arrays (the checkpoint's state): the policy's params and opt_state (with LoRA: t
 reference weights when kl_coef is set (not with LoRA: the base is the reference), PPO's critic. Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
 the loader's position, the long-prompt queue, the planner, the length ranker, one-step-async's next
 rollout) and the reward scheduler's adaptive timeouts.
+
+A resume on another layout (`relayout`: another process count, mesh or rollout instances; preflight.LAYOUT_KEYS)
+restores the arrays into the new shardings and the global state as it is (the loader's cursor, the long-prompt
+queue, the ranker, the timeouts: the same on every process). Two parts belong to the old layout: StreamRL's
+scaled-up pool (instances per process) starts again from `engine.instances`, said in one line; one-step-async's
+rollouts made ahead (each process's own prompts and tokens) cannot move to another process count, and such a
+resume stops in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from models.peft_io import save_peft
 from .checkpoint import CheckpointManager
 from .context import Policy
 from .critic import Critic
+from .preflight import StartupError
 from .rollout_side import RolloutSide
 
 
@@ -43,8 +51,9 @@ def save(ckpt: CheckpointManager, step: int, cfg: TrainConfig, policy: Policy, c
 
 
 def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: Critic | None,
-            rollout: RolloutSide, rewards: RewardScheduler) -> int | None:
-    """The latest usable checkpoint into the components; its step (None: none, or none usable)."""
+            rollout: RolloutSide, rewards: RewardScheduler, *, relayout: bool = False) -> int | None:
+    """The latest usable checkpoint into the components; its step (None: none, or none usable). `relayout`: the
+    layout keys changed (module docstring; another process count is seen here)."""
     if ckpt.latest_step() is None:
         return None
     if cfg.algo.kl_coef:              # shapes and shardings of the restore target
@@ -60,6 +69,9 @@ def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: C
             critic.params = critic.opt_state = None
         return None
     step, state, meta = got
+    saved = ckpt.processes(step)
+    if relayout or saved not in (None, jax.process_count()):
+        meta = moved_meta(meta, cfg, saved)
     policy.load_state(state)
     if critic is not None:
         critic.load(state["critic"])
@@ -67,6 +79,22 @@ def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: C
     if "reward_scheduler" in meta:
         rewards.load_state_dict(meta["reward_scheduler"])
     return int(meta["step"])
+
+
+def moved_meta(meta: dict, cfg: TrainConfig, saved_processes: int | None) -> dict:
+    """`meta` for a resume on another layout (module docstring): StartupError where a part cannot move."""
+    n = jax.process_count()
+    if meta.get("ahead") and saved_processes is not None and saved_processes != n:
+        raise StartupError(f"trainer.max_staleness={cfg.trainer.max_staleness}: checkpoint step {meta['step']} holds "
+                           f"{len(meta['ahead'])} rollout(s) made ahead by each of its {saved_processes} processes "
+                           f"(their own prompts and tokens), which cannot move to {n} processes; resume it on "
+                           f"{saved_processes}")
+    pool = int(meta.get("instances", cfg.engine.instances))
+    if pool != cfg.engine.instances and cfg.stage_balance.scale_up and jax.process_index() == 0:
+        print(f"[train] stage_balance.scale_up: the checkpoint's pool of {pool} generation instances per process "
+              f"belongs to its layout; the scale-up starts again from engine.instances={cfg.engine.instances}",
+              flush=True)
+    return {**meta, "instances": cfg.engine.instances}
 
 
 def export(run_dir, cfg: TrainConfig, model_cfg, policy: Policy, tokenizer) -> None:

@@ -77,6 +77,10 @@ def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
     if layout.size != jax.device_count():
         raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
                          f"{jax.device_count()} are visible over {jax.process_count()} process(es)")
+    if jax.local_device_count() % layout.tp:     # (each process's batch rows are its own: replicated over tp)
+        raise SystemExit(f"train_layout {layout.name}: a tp group of {layout.tp} devices would span processes "
+                         f"({jax.local_device_count()} device(s) in each of {jax.process_count()}); tp must divide "
+                         "a process's devices")
     return jax.devices(), jax.local_devices()
 
 
@@ -162,13 +166,18 @@ class Trainer:
     def _resume(self) -> bool:
         tc = self.train
         with startup_errors(self.pool, convert=False):    # (a checkpoint this config cannot resume: one line)
-            step = run_state.restore(self.ckpt, self.cfg, self.policy, tc.critic, self.rollout, tc.rewards)
+            step = run_state.restore(self.ckpt, self.cfg, self.policy, tc.critic, self.rollout, tc.rewards,
+                                     relayout=bool(self.plan.relayout))
         if step is None:
             return False
         self.step = step
         self.rollout.sync(self.policy.params, step, base_changed=True)
-        if self.is_main:
-            print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}", flush=True)
+        if self.is_main:       # (another layout: the process count, the train mesh, the instances)
+            saved, now = self.ckpt.processes(step), jax.process_count()
+            moved = [*self.plan.relayout, *([f"{saved} -> {now} processes"] if saved not in (None, now) else [])]
+            print(f"[train] resumed from {(self.run_dir / 'checkpoints').resolve()} at RL step {self.step}"
+                  + (f" on another layout ({', '.join(moved)}): the arrays restored into its shardings" if moved
+                     else ""), flush=True)
         return True
 
     # ------------------------------------------------------------------------------- before RL steps
@@ -208,8 +217,7 @@ class Trainer:
         data = self.flow.run(tc, StepData(self.step))
         rstats, m = data.stats, data.train_metrics
         staleness = check_staleness(self.step, [data.version], cfg.trainer.max_staleness)
-        t2 = data.extra["times"][self.flow.plan.stages[0].head.id][1]     # the rollout's end
-        all_rewards, all_lens = data.extra.get("rollout", (data.rewards, data.lens))   # before a group filter
+        t2 = self.flow.rollout_end(data)
         t3, synced = time.perf_counter(), self.svc.synced_bytes
         self.rollout.sync(pol.params, self.step + 1)
         t4 = time.perf_counter()
@@ -220,8 +228,20 @@ class Trainer:
             self.timeline.add("gen", "sync", t3, time.perf_counter())
         if int(m["skipped"]):
             log.warning("step %d: non-finite loss or gradient norm; update skipped", self.step)
-        out = step_metrics(all_rewards, all_lens, rstats, m, dict(rollout_s=rstats["rollout_s"], reward_s=rstats["reward_s"],
-                                                          train_s=t3 - t2, sync_s=t4 - t3, step_seconds=t4 - t0),
+        out = self._metrics(data, staleness, dict(rollout_s=rstats["rollout_s"], reward_s=rstats["reward_s"],
+                                                  train_s=t3 - t2, sync_s=t4 - t3, step_seconds=t4 - t0), synced)
+        if self.balance is not None:          # StreamRL's scale-up, between steps (its stage/ metrics)
+            warm = self.rollout.sampling_params() if cfg.trainer.warmup else None
+            out.update(self.balance.step(self.svc, rstats["rollout_s"], tc.worker.take_busy(), pol.params,
+                                         warm=warm, grow=lambda n: self.rollout.grow(n, pol.params),
+                                         instances=self.rollout.instances))
+        return out
+
+    def _metrics(self, data: StepData, staleness, times: dict, synced: int) -> dict:
+        """The step's metrics: the step's own, then each mechanism's under its prefix."""
+        cfg, tc, rstats = self.cfg, self.train, data.stats
+        all_rewards, all_lens = data.extra.get("rollout", (data.rewards, data.lens))   # before a group filter
+        out = step_metrics(all_rewards, all_lens, rstats, data.train_metrics, times,
                            lr=float(self.lr(self.step * cfg.algo.mini_batches)), svc=self.svc)
         out["preemptions"] = rstats["preempted"]
         out["sync_bytes"] = self.svc.synced_bytes - synced     # weight bytes into the rollout (LoRA: the adapters)
@@ -239,11 +259,6 @@ class Trainer:
             out.update(staleness_metrics(self.step, data.completions, cfg.trainer.max_staleness, data.version))
         if cfg.placement == "disaggregated":     # StreamRL: the pools, the streamed groups, staleness, the bubble
             out.update(placement_metrics(self.svc, self.update.mesh.size, tc.gstream, staleness, data.train_wait_s))
-            if self.balance is not None:
-                warm = self.rollout.sampling_params() if cfg.trainer.warmup else None
-                out.update(self.balance.step(self.svc, rstats["rollout_s"], tc.worker.take_busy(), pol.params,
-                                             warm=warm, grow=lambda n: self.rollout.grow(n, pol.params),
-                                             instances=self.rollout.instances))
         return out
 
     # ------------------------------------------------------------------------------------------ run
