@@ -4,8 +4,8 @@
 
 One block per entry point (`ENTRY_POINTS`), one table per section: each key's dotted name, its type as the source
 declares it, its dataclass default (and the value the entry point's own YAML file gives it, where that differs),
-its meaning and the mechanism it belongs to. The meaning is the field's trailing `# comment` in the source, read
-with `tokenize` (the text `--help` prints, which draccus reads the same way); a field without one gets the first
+its meaning and the mechanism it belongs to. The meaning is the field's comment in the source, read as `--help` reads
+it (`jaxrl.config.loading.field_comment`); a field without one gets the first
 sentence of its section's docstring. The mechanism comes from `MECHANISMS`, the longest dotted prefix that
 matches. Nothing here is measured: the blocks change only when the code does, and tests/test_docs.py fails when a
 block differs from what the code renders to now (tests/test_config_reference.py checks the page's keys both ways).
@@ -15,18 +15,18 @@ Registered by scripts/docs.py with its helpers (`register`).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import importlib
-import inspect
-import io
 import re
-import tokenize
 import typing
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxrl.config.loading import class_summary, field_comment  # noqa: E402
 
 
 class EntryPoint(typing.NamedTuple):
@@ -116,41 +116,14 @@ def config_class(entry: EntryPoint) -> type:
 
 # -------------------------------------------------------------------------------------------- the source
 
-@functools.cache
-def _class_fields(cls: type) -> dict[str, str]:
-    """{field name: its comment} for the fields `cls` itself declares: the comments on the lines of the field's
-    statement (a trailing `# ...`), read with `tokenize`; "" for a field without one."""
-    path = inspect.getsourcefile(cls)
-    text = Path(path).read_text()
-    comments: dict[int, list[str]] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type == tokenize.COMMENT:
-            comments.setdefault(tok.start[0], []).append(tok.string.lstrip("#").strip())
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
-            out = {}
-            for stmt in node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    lines = range(stmt.lineno, stmt.end_lineno + 1)
-                    out[stmt.target.id] = " ".join(c for i in lines for c in comments.get(i, []))
-            return out
-    raise LookupError(f"no class {cls.__name__} in {path}")
-
-
 def comment(cls: type, name: str) -> str:
-    """The comment of field `name` of `cls`, from the class in its MRO that declares it."""
-    for base in cls.__mro__:
-        if name in base.__dict__.get("__annotations__", {}):
-            return _class_fields(base).get(name, "")
-    return ""
+    """The comment of field `name` of `cls`: the text `--help` prints (`jaxrl.config.loading.field_comment`)."""
+    return field_comment(cls, name)
 
 
 def summary(cls: type) -> str:
-    """The first paragraph of a class docstring, on one line ("" for none or dataclass's generated one)."""
-    doc = cls.__doc__
-    if not doc or doc.startswith(f"{cls.__name__}("):
-        return ""
-    return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    """The first paragraph of a class docstring, on one line (`jaxrl.config.loading.class_summary`)."""
+    return class_summary(cls)
 
 
 def first_sentence(text: str) -> str:

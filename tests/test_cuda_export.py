@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import tomllib
@@ -27,6 +26,7 @@ import pytest
 from jaxrl.config import EngineSection
 from jaxrl.train import gpu_programs as gp
 from models import PRESETS
+from tests.real_model import _pypi_reachable
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = {p.name: p for p in gp.programs()}
@@ -74,14 +74,6 @@ def test_the_list_covers_the_grid():
                 n = [p for p in PROGRAMS.values() if p.name.startswith(f"{kind}/{model}/tp{tp}")]
                 assert len(n) == 1 and n[0].devices == tp, (kind, model, tp)
     assert PROGRAMS["engine/decode/smollm2-135m/tp1/b32xp6"].shape == (32, 6)     # its recipe's 6-page table
-
-
-def _pypi_reachable(host: str = "pypi.org", timeout: float = 5.0) -> bool:
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _name(requirement: str) -> str:

@@ -189,24 +189,24 @@ def _help_groups(cfg: Any, path: str = "", doc: str | None = None) -> list[_Help
         if not f.init:
             continue
         key, value = join_key(path, f.name), getattr(cfg, f.name)
-        comment = _field_comment(cls, f.name)
+        comment = field_comment(cls, f.name)
         if is_plain_section(type(value)):
             sections.append((value, key, comment))
         else:
             leaves.append((key, value, comment))
-    groups = [_HelpGroup(path, _class_summary(cls) if doc is None else doc, leaves)]
+    groups = [_HelpGroup(path, class_summary(cls) if doc is None else doc, leaves)]
     for value, key, comment in sections:
-        groups += _help_groups(value, key, comment or _class_summary(type(value)))
+        groups += _help_groups(value, key, comment or class_summary(type(value)))
     return groups
 
 
-def _field_comment(cls: type, name: str) -> str:
+def field_comment(cls: type, name: str) -> str:
     """The field's comment (inline, else a docstring below or a comment above it) as one line; "" if none."""
     text = get_preferred_help_text(get_attribute_docstring(cls, name), HelpOrder.inline)
     return " ".join((text or "").split())
 
 
-def _class_summary(cls: type) -> str:
+def class_summary(cls: type) -> str:
     """The first paragraph of a class docstring as one line ("" for none, or dataclass's generated one)."""
     doc = cls.__doc__
     if not doc or doc.startswith(f"{cls.__name__}("):

@@ -195,6 +195,8 @@ class RolloutLoop:
         self.svc, self.requests, self.scorer = svc, requests, scorer
         self.selection = selection
         self.hooks = list(hooks)
+        # (checking every prompt after each engine step costs time only where some part takes groups)
+        self._grouped = any(type(h).group is not Hooks.group for h in [selection, scorer, *self.hooks] if h is not None)
         if not scorer.streams:
             need = [type(h).__name__ for h in [selection, *self.hooks] if getattr(h, "needs_streamed_rewards", False)]
             if need:
@@ -250,7 +252,7 @@ class RolloutLoop:
 
     def _emit_groups(self, st: RolloutState, parts, emitted: set[int]) -> None:
         """Hand every accepted prompt whose kept responses are all scored to the `group` hooks, once."""
-        if st.racing:
+        if st.racing or not self._grouped:
             return
         for p in st.selection.accepted:
             js = st.selection.kept(st, p)
