@@ -43,8 +43,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
+
+from bench_harness import write_result  # noqa: E402
 
 # its files in scripts/results/ (tests/test_docs.py)
 OUTPUTS = ("bench_adaptive_tp.json", "bench_adaptive_tp.png",
@@ -53,7 +56,6 @@ OUTPUTS = ("bench_adaptive_tp.json", "bench_adaptive_tp.png",
 
 def model_config(quick: bool):
     """The benchmark models (tiny for --quick, hidden-512 x 8 layers otherwise): bench_rollout's."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench_rollout import bench_config
 
     return bench_config(quick)
@@ -332,7 +334,7 @@ def main(argv=None):
         del svc
         free_executables()
     partial = path.with_name(path.stem + "_trajectories.json")
-    partial.write_text(json.dumps({"trajectories": trajectories, "predicted": predicted, "errors": errors}))
+    write_result(partial, {"trajectories": trajectories, "predicted": predicted, "errors": errors}, indent=None)
     prompts, lens = requests(total_batch, 99, cfg.vocab_size, 8 if q else 40, 40 if q else 300)
     sw = switch_costs(engine, cfg, weights, prompts, lens, 0.8, args.target_tp)
     out = {"model": "quick" if q else "hidden-512 x 8 layers (58M, qwen3 shape)", "profile_s": profile_s,
@@ -346,7 +348,7 @@ def main(argv=None):
            "trajectories": {str(k): v for k, v in trajectories.items()},
            "predicted": {str(k): v for k, v in predicted.items()},
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-    path.write_text(json.dumps(out, indent=1))
+    write_result(path, out)
     plot(out, path.with_suffix(".png"))
     print(json.dumps({k: out[k] for k in ("predictor_mape", "switch_speedup", "switch_breakdown")}, indent=1))
     return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_adaptive_tp as B  # noqa: E402
+from bench_harness import write_result  # noqa: E402
 from jaxrl.config.generate import EngineSection  # noqa: E402
 from jaxrl.rollout.adaptive_tp import Predictor, Profile  # noqa: E402
 from jaxrl.rollout.profile import measure_layout, shape_grid  # noqa: E402
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["trajectories"][str(tp)] = rows
         print(tp, "padded", out["predictor_mape_padded"][str(tp)], "sum", out["predictor_mape_sum"][str(tp)],
               "noise", out["noise"][str(tp)], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_result(args.out, out)
     return out
 
 

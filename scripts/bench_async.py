@@ -31,7 +31,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
 
 RESULTS = ROOT / "scripts" / "results"
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     gap = runs["k2"]["reward_mean_last"] - runs["sync"]["reward_mean_last"]
     data = {"runs": runs, "margin": MARGIN, "last_reward_gap": gap, "reaches_sync": bool(abs(gap) <= MARGIN),
             "machine": machine()}
-    OUT.write_text(json.dumps(data, indent=1) + "\n")
+    write_result(OUT, data)
     plot(data)
     print(f"-> {OUT}, {PNG}")
     for name, r in runs.items():

@@ -30,19 +30,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_harness import interleaved, write_result  # noqa: E402
 from jaxrl.train.blockwise import BlockwiseUpdater, block_step, recompute_kv  # noqa: E402
 from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.config.train import OptimSection  # noqa: E402
@@ -129,14 +130,7 @@ def time_rows(args) -> list[dict]:
         ups[T] = BlockwiseUpdater(cfg, spec, tx, block_size=T)
         ups[T].warm(params, tx.init(params), batch)
         runs[T] = functools.partial(ups[T].gradients, params, [batch])
-    for f in runs.values():
-        jax.block_until_ready(f())
-    times = {k: [] for k in runs}
-    for _ in range(args.repeats):
-        for k, f in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved(runs, args.repeats, warmup=1, sync=jax.block_until_ready).seconds
     full_s = min(times["full"])
     out = []
     for T in args.time_blocks:
@@ -223,8 +217,7 @@ def main(argv=None) -> dict:
     if args.only != "memory":
         rows += time_rows(args)
     result.update(rows=rows, wall_seconds=time.perf_counter() - t0)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=float))
+    write_result(args.out, result, indent=2, default=float)
     plot(result, args.out.with_suffix(".png"))
     print(markdown(result))
     return result

@@ -39,7 +39,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl.data.tasks import demonstration, make_suite  # noqa: E402
 from jaxrl.rewards import AdaptiveTimeouts, RewardPool, RewardScheduler, SandboxLimits  # noqa: E402
 from jaxrl.rewards.sandbox import isolation_report  # noqa: E402
@@ -141,8 +143,7 @@ def main(argv=None) -> dict:
         summary["speedup_warm"] = round(summary["fixed"]["warm_mean_wall_s"]
                                         / summary["adaptive"]["warm_mean_wall_s"], 2)
     result["summary"] = summary
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(json.dumps(summary, indent=2))
     return result
 

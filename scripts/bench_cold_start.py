@@ -33,7 +33,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
 
 OUT = ROOT / "scripts" / "results" / "bench_cold_start.json"
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
                 result["runs"].append(run(mode, extra, Path(work), i, args.cache))
     result["loadavg_after"] = list(os.getloadavg())
     result["summary"] = summarize(result["runs"])
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     s = result["summary"]
     print(f"-> {args.out}\nfirst step: {s['modes']['blocking']['first_step_s']:.1f} s blocking, "
           f"{s['modes']['background']['first_step_s']:.1f} s background ({s['first_step_speedup']:.2f}x); "

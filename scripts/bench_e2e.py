@@ -23,8 +23,8 @@ float32 peak (a 2048³ matmul measured at the start) the steps reach:
 
     FLOPs of a step (ideal counts, not what either system computes: causal attention per sequence, one
     sequence per row, no padding or chunking; the same count for both, from the step's own lengths):
-      rollout: prefill 2·N·p + causal attention per prompt, decode 2·(N + E·V) + 4·layers·heads·d·context
-               per generated token
+      rollout: prefill 2·N·p + causal attention per prompt + the LM head on its last token (2·E·V),
+               decode 2·(N + E·V) + 4·layers·heads·d·context per generated token
       train:   3 x the forward of every prompt and response token (2·N per token, causal attention
                per sequence) + the LM head on response tokens only (6·E·V each)
 
@@ -49,6 +49,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
 import bench_e2e_workload as workload  # noqa: E402
+from bench_harness import write_result  # noqa: E402
 
 from jaxrl.train.summary import machine  # noqa: E402
 
@@ -157,8 +158,7 @@ def main(argv=None) -> dict:
     chosen = QUICK if args.quick else {k: WORKLOADS[k] for k in (args.workloads or WORKLOADS)}
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_e2e-"))
     work.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = dict(machine=machine(), commit=commit or None, hyper=h,
+    result = dict(machine=machine(), hyper=h,
                   loadavg_before=list(os.getloadavg()), peak=None if args.quick else peak_gflops(), workloads={})
     for name, w in chosen.items():
         paths = workload.build(work / name, name)
@@ -190,8 +190,7 @@ def main(argv=None) -> dict:
         print(f"[bench_e2e] {name}: step jaxrl {entry['jaxrl']['step_s']:.2f} s / TRL {entry['trl']['step_s']:.2f} s "
               f"= {entry['step_ratio']:.2f}; process cold {entry['process_ratio_cold']:.2f}", flush=True)
     result["loadavg_after"] = list(os.getloadavg())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(f"[bench_e2e] wrote {args.out}")
     return result
 

@@ -33,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_harness import write_result  # noqa: E402
 
 OUTPUTS = ("bench_flow.json",)  # its files in scripts/results/ (tests/test_docs.py)
 
@@ -130,9 +133,7 @@ def main() -> None:
         rows.append(json.loads(row_out.read_text()))
         row_out.unlink()
         print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"bench": "flow", "per_process": args.per_process, "pack_len": args.pack_len,
-                                          "rows": rows}, indent=1))
+    write_result(args.out, {"bench": "flow", "per_process": args.per_process, "pack_len": args.pack_len, "rows": rows})
     print(f"wrote {args.out}")
 
 

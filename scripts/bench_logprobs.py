@@ -24,11 +24,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench_harness import write_result  # noqa: E402
 from kernels.logprobs import token_logprobs, token_logprobs_reference  # noqa: E402
 
 VOCAB, HIDDEN, TOKENS = 151936, 1024, 4096
@@ -91,7 +93,7 @@ def main(argv=None):
         "grad_max_abs_diff": max(check["d_hidden_max_abs_diff"], check["d_w_max_abs_diff"]),
         "grad_check": check, "backend": jax.default_backend(),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(json.dumps(result, indent=2))
     return result
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -48,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_blockwise as bb  # noqa: E402
+from bench_harness import interleaved, write_result  # noqa: E402
 from bench_train import MODELS, QUICK_MODELS  # noqa: E402
 from jaxrl.config.train import OptimSection  # noqa: E402
 from jaxrl.rollout import RolloutService, SamplingParams  # noqa: E402
@@ -113,12 +116,7 @@ def train_rows(args) -> list[dict]:
                 jax.block_until_ready(m)
             run()
             steps[kind] = run
-        times = {k: [] for k in steps}
-        for _ in range(args.repeats):
-            for k, f in steps.items():
-                t0 = time.perf_counter()
-                f()
-                times[k].append(time.perf_counter() - t0)
+        times = interleaved(steps, args.repeats).seconds
         med = {k: statistics.median(v) for k, v in times.items()}
         out.append({"model": name, "rows": rows, "seq_len": length, "rank": args.rank, "dtype": "float32",
                     "full_s": med["full"], "lora_s": med["lora"], "time_ratio": med["lora"] / med["full"],
@@ -190,12 +188,7 @@ def decode_rows(args) -> list[dict]:
             svc.add(p, sp)
         return [c.tokens for c in svc.run()]
     tokens = {k: run(s) for k, s in svcs.items()}           # (compiles)
-    times = {k: [] for k in svcs}
-    for _ in range(args.repeats):
-        for k, s in svcs.items():
-            t0 = time.perf_counter()
-            run(s)
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved({k: functools.partial(run, s) for k, s in svcs.items()}, args.repeats).seconds
     med = {k: statistics.median(v) for k, v in times.items()}
     same = sum(a == b for a, b in zip(sorted(tokens["low-rank"]), sorted(tokens["merged"])))
     print(f"decode: low-rank {med['low-rank']:.3f}s merged {med['merged']:.3f}s", file=sys.stderr, flush=True)
@@ -258,8 +251,7 @@ def main(argv=None) -> dict:
     for part in parts:
         result[part] = globals()[f"{part}_rows"](args)
     result["wall_seconds"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
     return result
 

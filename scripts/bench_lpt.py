@@ -22,10 +22,9 @@ Qwen3 shape (random weights, float32); tiny with --quick.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
+
+from bench_harness import interleaved, write_result  # noqa: E402
 
 ORDERS = ("fcfs", "lpt_oracle", "lpt_predicted")
 
@@ -64,26 +65,28 @@ def run(args) -> dict:
         svc.warm([SamplingParams(max_new_tokens=args.max_len, temperature=1.0)])
         svcs[order] = svc
 
-    def one(order: str) -> dict:
+    def admit(order: str) -> tuple:
+        """(untimed) Every request queued on the order's service; its priorities are the order's."""
         svc = svcs["fcfs" if order == "fcfs" else "lpt"]
         prio = {"fcfs": [0.0] * len(lengths), "lpt_oracle": [float(n) for n in lengths],
                 "lpt_predicted": predicted}[order]
         for k, (p, n, q) in enumerate(zip(prompts, lengths, prio)):
             svc.add(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=k), priority=q)
-        t0 = time.perf_counter()
+        return (svc,)
+
+    def drain(svc) -> int:
+        """(timed) Engine steps until every request finished."""
         steps, got = 0, 0
         while svc.has_work():
             got += len(svc.step())
             steps += 1
         assert got == len(lengths)
-        return {"seconds": time.perf_counter() - t0, "engine_steps": steps}
+        return steps
 
-    runs = {o: [] for o in ORDERS}
-    for r in range(args.repeats):
-        for o in ORDERS:
-            runs[o].append(one(o))
-            print(f"[{o}] repeat {r}: {runs[o][-1]['engine_steps']} engine steps, {runs[o][-1]['seconds']:.2f} s",
-                  flush=True)
+    runs = interleaved({o: drain for o in ORDERS}, args.repeats,
+                       prepare={o: functools.partial(admit, o) for o in ORDERS},
+                       on_call=lambda o, r, s, steps: print(f"[{o}] repeat {r}: {steps} engine steps, {s:.2f} s",
+                                                            flush=True))
     order_pred = sorted(range(len(lengths)), key=lambda i: (-predicted[i], i))
     model = {"fcfs": fcfs_makespan(lengths, args.cap), "lpt_oracle": lpt_makespan(lengths, args.cap),
              "lpt_predicted": fcfs_makespan([lengths[i] for i in order_pred], args.cap)}
@@ -94,8 +97,8 @@ def run(args) -> dict:
            "prediction_kendall_tau": float(kendall_tau(predicted, lengths)), "machine": platform.processor() or
            platform.machine(), "jax": jax.__version__, "orders": {}}
     for o in ORDERS:
-        secs = [x["seconds"] for x in runs[o]]
-        out["orders"][o] = {"engine_steps": runs[o][0]["engine_steps"], "list_schedule_steps": model[o],
+        secs = runs.seconds[o]
+        out["orders"][o] = {"engine_steps": runs.results[o][0], "list_schedule_steps": model[o],
                             "seconds_median": float(np.median(secs)), "seconds": secs}
     f = out["orders"]
     for o in ("lpt_oracle", "lpt_predicted"):
@@ -141,9 +144,7 @@ def main(argv=None):
     args.max_len = args.max_len or (32 if q else 256)
     args.repeats = args.repeats or (1 if q else 3)
     out = run(args)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result(args.out, out)
     plot(out, path.with_suffix(".png"))
     print(f"LPT (oracle) {out['step_ratio_lpt_oracle']:.2f}x fewer decode steps, {out['speedup_lpt_oracle']:.2f}x "
           f"wall; predicted (tau {out['prediction_kendall_tau']:.2f}) {out['step_ratio_lpt_predicted']:.2f}x / "

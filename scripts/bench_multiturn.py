@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
+
+from bench_harness import interleaved, write_result  # noqa: E402
 
 MODES = ("continuation", "reprefill")
 OUTPUTS = ("bench_multiturn.json",)  # its files in scripts/results/ (tests/test_docs.py)
@@ -104,25 +105,26 @@ def run(args) -> dict:
                                 turn_max_tokens=args.gen)
         svc.warm([params])
         obs = observations(args.trajectories, turns, args.obs, cfg.vocab_size, args.seed + turns)
-        runs = {m: [] for m in MODES}
-        tokens = {}
-        for r in range(args.repeats + 1):                # round 0 compiles what warm() does not: discarded
-            for m in MODES:
-                before = svc.stats()[0]
-                t0 = time.perf_counter()
-                tokens[m], steps = (continuation(svc, prompts, obs, params) if m == "continuation"
-                                    else reprefill(svc, prompts, obs, params, turns))
-                secs = time.perf_counter() - t0
-                after = svc.stats()[0]
-                if r:
-                    runs[m].append({"seconds": secs, "engine_steps": steps,
-                                    "prefilled": after["prefilled_tokens"] - before["prefilled_tokens"],
-                                    "generated": after["generated_tokens"] - before["generated_tokens"]})
-                print(f"[{turns} turns] {m} round {r}: {steps} engine steps, {secs:.2f} s", flush=True)
-        row = {"tokens_identical": tokens["continuation"] == tokens["reprefill"]}
+        def mode(m: str, before: dict) -> dict:
+            """One mode's trajectories: their tokens, engine steps, and the engine's counters since `before`
+            (the counter reads are timed with it: a few dict look-ups)."""
+            tokens, steps = (continuation(svc, prompts, obs, params) if m == "continuation"
+                             else reprefill(svc, prompts, obs, params, turns))
+            after = svc.stats()[0]
+            return {"tokens": tokens, "engine_steps": steps,
+                    "prefilled": after["prefilled_tokens"] - before["prefilled_tokens"],
+                    "generated": after["generated_tokens"] - before["generated_tokens"]}
+
+        runs = interleaved(                              # round 0 compiles what warm() does not: discarded
+            {m: functools.partial(mode, m) for m in MODES}, args.repeats, warmup=1,
+            prepare={m: lambda: (svc.stats()[0],) for m in MODES},
+            on_call=lambda m, r, s, got: print(f"[{turns} turns] {m} round {r}: {got['engine_steps']} engine steps, "
+                                               f"{s:.2f} s", flush=True))
+        last = {m: runs.results[m][-1]["tokens"] for m in MODES}
+        row = {"tokens_identical": last["continuation"] == last["reprefill"]}
         for m in MODES:
-            secs = [x["seconds"] for x in runs[m]]
-            row[m] = {**{k: runs[m][0][k] for k in ("prefilled", "generated", "engine_steps")},
+            secs = runs.seconds[m]
+            row[m] = {**{k: runs.results[m][0][k] for k in ("prefilled", "generated", "engine_steps")},
                       "seconds_median": float(np.median(secs)), "seconds": secs}
         c, f = row["continuation"], row["reprefill"]
         row["prefill_ratio"] = f["prefilled"] / c["prefilled"]
@@ -156,9 +158,7 @@ def main(argv=None):
     args.turns = args.turns or ([2, 3] if q else [2, 4, 8])
     args.repeats = args.repeats or (1 if q else 3)
     out = run(args)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result(args.out, out)
     for t, row in out["turns"].items():
         print(f"{t} turns: re-prefill / continuation = {row['prefill_ratio']:.2f}x prefilled positions, "
               f"{row['speedup']:.2f}x wall; tokens identical: {row['tokens_identical']}")

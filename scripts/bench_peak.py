@@ -66,12 +66,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_harness import write_result  # noqa: E402
 from kernels.attention import cpu_upcast  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_peak.json"
@@ -292,8 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "a loaded machine lowers the peak, so fractions against it read too high; re-run "
                 "`python scripts/bench_peak.py` on an idle machine for figures to keep.",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(f"peak GFLOP/s {result['peak_gflops']}, bandwidth {bw['inplace']:.1f} GB/s (read {bw['read']:.1f}, "
           f"into a fresh buffer {bw['fresh']:.1f}), "
           f"{result['wall_seconds']:.0f} s -> {args.out}", file=sys.stderr)

@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_harness import write_result  # noqa: E402
+
 MODES = {
     "colocated": ["engine.instances=8", "train_layout.fsdp=8"],
     "disaggregated": ["engine.instances=4", "train_layout.fsdp=4", "placement=disaggregated"],
@@ -164,9 +168,10 @@ def main(argv=None):
                       "timeline shows where each pool waits. Wall-clock gains need real devices (simulator issue).",
               "modes": {m: summarise(m, d, skip) for m, d in timelines.items()}}
     shutil.rmtree(work, ignore_errors=True)
-    out.write_text(json.dumps(result, indent=1))
-    (out.parent / (out.stem + "_timelines.json")).write_text(json.dumps(timelines, default=float))
+    write_result(out, result)
     plot(result, timelines, out.with_suffix(".png"), skip)
+    # after the plot, which reads one entry per mode
+    write_result(out.parent / (out.stem + "_timelines.json"), timelines, indent=None, default=float)
     for m, r in result["modes"].items():
         print(f"{m:14s} {r['seconds_per_step']:.2f} s/step  gen busy {100 * r['gen_busy_fraction']:.0f}%  "
               f"train busy {100 * r['train_busy_fraction']:.0f}%")

@@ -36,8 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
+
+from bench_harness import write_result  # noqa: E402
 
 # its files in scripts/results/ (tests/test_docs.py)
 OUTPUTS = ("bench_ranker.json", "bench_ranker.png", "bench_ranker_run.json", "bench_ranker_run.png")
@@ -189,9 +192,7 @@ def main(argv=None):
     args.refreshes = args.refreshes or (2 if q else 6)
     args.train_steps = args.train_steps if args.train_steps is not None else (40 if q else 200)
     out = run(args)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result(args.out, out)
     plot(out, path.with_suffix(".png"))
     print(f"recall@top20% {out['recall_top20']:.3f}, Kendall tau {out['kendall_tau']:.3f} on "
           f"{out['data']['eval_prompts']} held-out prompts ({out['seconds']:.0f} s); wrote {path}")

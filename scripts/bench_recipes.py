@@ -31,7 +31,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
 
 RESULTS = ROOT / "scripts" / "results"
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     data = {"quickstart": {k: quickstart[k] for k in ("reward_mean_first", "reward_mean_last", "steps", "wall_s")},
             "recipes": recipes,
             "machine": machine()}
-    OUT.write_text(json.dumps(data, indent=1) + "\n")
+    write_result(OUT, data)
     print(f"-> {OUT}")
     for name, r in recipes.items():
         s = r["summary"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_harness import interleaved, write_result  # noqa: E402
 
 # Published HBM bandwidths (bytes/s) for the floor; a measured device-copy bandwidth is reported beside it.
 NOMINAL_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L4": 3.0e11, "A10": 6.0e11}
@@ -212,14 +214,9 @@ def _in_turn(parts: dict, steps: int, warm: int) -> dict:
     the machine hit all alike; the median of `steps` rounds after `warm` warm-up rounds."""
     import jax
 
-    times = {name: [] for name in parts}
-    for _ in range(steps + warm):
-        for name, (fn, make_args) in parts.items():
-            args = make_args()
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(ts[warm:]) for name, ts in times.items()}
+    rounds = interleaved({name: fn for name, (fn, _) in parts.items()}, steps, warmup=warm, sync=jax.block_until_ready,
+                         prepare={name: make_args for name, (_, make_args) in parts.items()})
+    return {name: 1e3 * statistics.median(ts) for name, ts in rounds.seconds.items()}
 
 
 def decode_parts(cfg, weights, batch: int, context: int, page_size: int, device, steps: int = 20) -> dict:
@@ -364,10 +361,10 @@ def bench_cpu(args) -> dict:
         prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
         first, _, _ = run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu)     # compiles
         run_hf(hf, prompts, min(8, args.new_tokens))                                           # warm-up
-        ours, theirs = [], []
-        for _ in range(args.repeats):        # interleaved, so slow drifts of the machine hit both alike
-            ours.append(run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu))
-            theirs.append(run_hf(hf, prompts, args.new_tokens))
+        # interleaved, so slow drifts of the machine hit both alike; each run times its own decoding (not the setup)
+        got = interleaved({"ours": lambda: run_ours(cfg, weights, prompts, args.new_tokens, args.page_size, cpu),
+                           "hf": lambda: run_hf(hf, prompts, args.new_tokens)}, args.repeats).results
+        ours, theirs = got["ours"], got["hf"]
         t_ours, t_hf = min(r[0] for r in ours), min(r[0] for r in theirs)
         agree = float(np.mean(np.array(ours[0][2]) == np.array(theirs[0][1])))
         n = B * args.new_tokens
@@ -501,8 +498,7 @@ def main(argv=None) -> dict:
     result = bench_cpu(args)
     if args.gpu_8b:
         result.update(bench_gpu_8b(args))
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result, indent=2)
     out.with_suffix(".md").write_text(markdown(result) + "\n")     # the README table
     print(markdown(result))
     return result

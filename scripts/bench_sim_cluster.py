@@ -243,15 +243,16 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", choices=sorted(RECIPES))
     ap.add_argument("--reuse", action="store_true", help="read runs/sim/NAME/summary.json when present")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+    from bench_harness import write_result          # (here: scripts/docs.py loads this module for its tables)
+
     names = args.only or list(RECIPES)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
         s = load(run(name, args.reuse))
         results[name] = {"summary": s, "paper": PAPER.get(name)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=float))
+    write_result(out, results, default=float)
     md = []
     for name, cap in (("pat_llama8b_h100", 24576), ("pat_qwen3_14b_h100", 16384), ("pat_llama8b_a40", 16384)):
         if name in results:
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
                   "per process)\n\n" + text)
     if "streamrl_qwen25_14b_h800" in results:
         md.append("#### streamrl_qwen25_14b_h800\n\n" + rows_table(results["streamrl_qwen25_14b_h800"]["summary"]))
-    out.write_text(json.dumps(results, indent=1, default=float))
+    write_result(out, results, default=float)
     out.with_suffix(".md").write_text("\n".join(md))
     for name, row in (("rollpacker_qwen25_14b_h800", "baseline"), ("rollpacker_qwen25_14b_h800", "rollpacker"),
                       ("streamrl_qwen25_14b_h800", "streamrl")):

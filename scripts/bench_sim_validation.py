@@ -28,8 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
+
+from bench_harness import write_result  # noqa: E402
 
 # its files in scripts/results/ (tests/test_docs.py)
 OUTPUTS = ("bench_sim_validation.json", "bench_sim_validation_profile.json")
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
                "max_abs_time_error": max(r["time_error_max"] for r in results),
                "total_time_error": float(sum(r["rollout_s_sim"] for r in results) /
                                          sum(r["rollout_s_real"] for r in results) - 1)}
-    out.write_text(json.dumps(summary, indent=1, default=str))
+    write_result(out, summary, default=str)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
     return 0
 

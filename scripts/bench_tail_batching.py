@@ -47,8 +47,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
+
+from bench_harness import write_result  # noqa: E402
 
 OUTPUTS = ("bench_tail_batching.json", "bench_tail_batching.png")  # its files in scripts/results/ (tests/test_docs.py)
 
@@ -296,9 +299,7 @@ def main(argv=None):
     except (OSError, KeyError, ValueError) as e:
         ap.error(f"--peak-json {args.peak_json}: {e!r} (run scripts/bench_peak.py to measure this machine)")
     out = run(args)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result(args.out, out)
     plot(out, path.with_suffix(".png"))
     rl = out["roofline"]
     print(f"speedup {out['speedup']:.2f}x (engine steps {out['engine_step_ratio']:.2f}x fewer; at the roofline: "

@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_harness import write_result  # noqa: E402
 
 OUTPUTS = ("bench_tail_learning.json", "bench_tail_learning.png")  # its files in scripts/results/ (tests/test_docs.py)
 
@@ -65,9 +68,7 @@ def main(argv=None):
            "long_rounds": int(sum(r.get("tail/long_round", 0) for r in tail)),
            "curves": {"sync": [[r["step_seconds"], r["reward_mean"]] for r in sync],
                       "tail_batching": [[r["step_seconds"], r["reward_mean"]] for r in tail]}}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result(args.out, out)
     try:
         import matplotlib
         matplotlib.use("Agg")

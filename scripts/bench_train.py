@@ -81,7 +81,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -105,6 +104,7 @@ from jaxrl.train.batch import Sample, pack, pack_rows  # noqa: E402
 from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.train.step import LossSpec, make_logprob_fn, make_train_step  # noqa: E402
 
+from bench_harness import interleaved, write_result  # noqa: E402
 from bench_train_torch import TorchStep, hf_tensors, torch_batch, torch_model, torch_tensors, unpack  # noqa: E402
 from kernels.attention import BlockSizes  # noqa: E402
 from models import ModelConfig, init  # noqa: E402
@@ -353,12 +353,6 @@ def step_flops(cfg: ModelConfig, tokens: int, seq_len: int) -> dict:
     return out
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def bench_row(name: str, cfg: ModelConfig, shape: BatchShape, args, peak: float | None, counter: CompileCounter):
     rng = np.random.default_rng(0)
     samples = grpo_samples(rng, cfg.vocab_size, shape.rows, shape.group, shape.prompt, [shape.response] * shape.rows)
@@ -384,10 +378,8 @@ def bench_row(name: str, cfg: ModelConfig, shape: BatchShape, args, peak: float 
         run_jax()
         run_torch()
     counter.take()
-    jt, tt = [], []
-    for _ in range(args.repeats):          # interleaved: both see the same machine state
-        jt.append(_timed(run_jax))
-        tt.append(_timed(run_torch))
+    times = interleaved({"jaxrl": run_jax, "torch": run_torch}, args.repeats).seconds   # the same machine state
+    jt, tt = times["jaxrl"], times["torch"]
     compiles = counter.take()["compiles"]
     tokens = shape.rows * shape.seq_len
     flops = step_flops(cfg, tokens, shape.seq_len)
@@ -521,8 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         "policy the jaxrl step ran with (the trainer's default; 'layer' only above --mem-budget-gib). CPU figures: "
         "only the side-by-side ratio means much; see loadavg_* for how busy the machine was."
         + ("" if passed else " AGREEMENT FAILED: nothing was timed."))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, indent=2)
     if not passed:
         bad = [f"{c['shape']} {c['case']}: {'; '.join(c['failures'])}" for c in cases if not c["passed"]]
         raise SystemExit(f"jaxrl and torch steps disagree, not timing ({args.out}): " + " | ".join(bad))

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl.config.train import OptimSection  # noqa: E402
 from jaxrl.train.optim import make_optimizer  # noqa: E402
 from jaxrl.train.step import LossSpec, make_train_step  # noqa: E402
@@ -86,9 +87,7 @@ def main(argv=None) -> int:
            "model": dataclasses.asdict(MODEL), "loss": dataclasses.asdict(SPEC),
            "optimizer": "adamw + clip_by_global_norm",
            "rows": rows}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    path = write_result(args.out, out, indent=2)
     print(f"wrote {path}")
     return 0
 

@@ -16,7 +16,6 @@ Writes scripts/results/bench_warm_start.json (docs/benchmarks.md renders it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -26,7 +25,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl import compile_log  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
 from scripts.bench_cold_start import QUICK, STEPS, run  # noqa: E402
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
                 result["runs"].append(one(mode, extra, work, i, cache))
     result["loadavg_after"] = list(os.getloadavg())
     result["summary"] = s = summarize(result["runs"])
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     m = s["modes"]
     print(f"-> {args.out}\nfirst step: {m['store']['first_step_s']:.1f} s with the store, "
           f"{m['no_store']['first_step_s']:.1f} s without ({s['first_step_ratio']:.2f}x); process "

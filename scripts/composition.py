@@ -11,10 +11,13 @@ tests/test_composition.py recomputes the table from the code and fails when the 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
-from jaxrl.config.composition import BASE, MECHANISMS, RECIPES, pair_matrix, recipe_yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # (bench_harness, when loaded by the tests)
+
+from bench_harness import write_result  # noqa: E402
+from jaxrl.config.composition import BASE, MECHANISMS, RECIPES, pair_matrix, recipe_yaml  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "composition.json"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     t = table()
-    args.out.write_text(json.dumps(t, indent=1) + "\n")
+    write_result(args.out, t)
     print(f"{t['refused']} of {t['total']} pairs refused -> {args.out}")
     for name in RECIPES:
         (CONFIGS / f"{name}.yaml").write_text(recipe_yaml(name))

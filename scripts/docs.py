@@ -6,9 +6,11 @@
 
 A rendered block is everything between `<!-- render:NAME -->` and `<!-- /render:NAME -->` in a page; NAME
 is one of `RENDERERS` below, each a function of the JSON files a benchmark script wrote. A block ends with
-the machine that measured it, from the JSON's own `machine` / `environment` fields, or "machine: not
-recorded" where the JSON has none. Never edit a block by hand: re-run the benchmark (its command is in the
-page), then this script. `tests/test_docs.py` fails when a page differs from what its JSON renders to.
+the machine that measured it, from the JSON's `provenance` record (`scripts/bench_harness.py`) or its own
+`machine` / `environment` fields, or "machine: not recorded" where the JSON has none (tests/test_docs.py fails
+on that, but for the JSONs it lists as measured before the harness). Never edit a block by hand: re-run the
+benchmark (its command is in the page), then this script. `tests/test_docs.py` fails when a page differs from
+what its JSON renders to.
 
 As a MkDocs hook (`hooks:` in mkdocs.yml) this module serves README.md as the site's home page and the
 figures in scripts/results/ at `results/`, and rewrites the pages' repository-relative links
@@ -55,9 +57,15 @@ def _load_module(name: str, path: Path):
     return mod
 
 
+def machine_record(d: dict):
+    """The machine a result records: its provenance record's (`scripts/bench_harness.py`), else its own
+    `machine` (or `environment`) fields; None where it has none."""
+    return (d.get("provenance") or {}).get("machine") or d.get("machine", d.get("environment"))
+
+
 def machine(d: dict) -> str:
-    """Which machine measured `d`: its `machine` (or `environment`) fields, else "not recorded"."""
-    m = d.get("machine", d.get("environment"))
+    """Which machine measured `d` (`machine_record`), else "not recorded"."""
+    m = machine_record(d)
     if isinstance(m, str):
         return m
     parts = []
@@ -302,7 +310,8 @@ def rollout() -> str:
 
 def cpu_model(d: dict) -> str:
     """The CPU of a result's `machine` with its family and model numbers (two VMs sold under one name differ)."""
-    m = d.get("machine") or {}
+    m = machine_record(d) or {}
+    m = m if isinstance(m, dict) else {"cpu": m}
     fam = re.search(r"family (\d+) model (\d+)", m.get("cpu_id", ""))
     return m.get("cpu", "not recorded") + (f" (family {fam[1]} model {fam[2]})" if fam else "")
 

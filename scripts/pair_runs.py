@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_harness import write_result  # noqa: E402
 
 from jaxrl.config.composition import MECHANISMS, overrides, pair_matrix  # noqa: E402
 from jaxrl.train.summary import machine  # noqa: E402
@@ -107,9 +110,8 @@ def main(argv=None) -> int:
         if not r["ran"]:
             print("    " + r["error"].replace("\n", "\n    "), flush=True)
         pairs = [done[p] for p in accepted if p in done]
-        OUT.write_text(json.dumps({"accepted": len(accepted), "run": len(pairs), "ran": sum(p["ran"] for p in pairs),
-                                   "steps": 2, "train_layout": "fsdp=4", "pairs": pairs, "machine": machine()},
-                                  indent=1) + "\n")
+        write_result(OUT, {"accepted": len(accepted), "run": len(pairs), "ran": sum(p["ran"] for p in pairs),
+                           "steps": 2, "train_layout": "fsdp=4", "pairs": pairs, "machine": machine()})
     print(f"-> {OUT}")
     return 0
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_harness import write_result  # noqa: E402
 from jaxrl.runtime import request_cpu_devices  # noqa: E402
 
 CLUSTER = "scripts/results/bench_sim_cluster.json"
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     body = results(json.loads((ROOT / CLUSTER).read_text()))
     body["machine"] = {**machine(), "note": "computed from the code and the committed simulator runs; "
                                             "no timing depends on this machine"}
-    Path(args.out).write_text(json.dumps(body, indent=1) + "\n")
+    write_result(args.out, body)
     for f in body["fitted"]:
         print(f"[fit] {f['constant']:>20} = {f['value']:.4g} (in use {f['in_use']:.4g}, {f['in_use_vs_fit']:+.1%})",
               file=sys.stderr)

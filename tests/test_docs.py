@@ -1,7 +1,8 @@
 """Docs that cannot drift: the site builds with `mkdocs build --strict` (a broken link or anchor, or a page
 missing from the nav, fails), every rendered table equals what scripts/docs.py renders from scripts/results/
 now, every file in scripts/results/ is named by one script's `OUTPUTS`, and the README stays a front page (the
-two commands first, at most 250 lines)."""
+two commands first, at most 250 lines), and every rendered block's JSON says which machine and commit measured it
+and is not much older than the code it measures."""
 
 import ast
 import importlib.util
@@ -105,6 +106,172 @@ def test_machine_line():
     assert docs.machine({"backend": "cpu"}) == "not recorded (backend: cpu)"
     assert docs.machine({"machine": {"cpu": "AMD EPYC", "cores": 2}}) == "AMD EPYC, 2 cores"
     assert docs.machine({"environment": {"platform": "Linux", "cpu_cores": 2}}) == "Linux, 2 cores"
+    record = {"provenance": {"machine": {"cpu": "Intel Xeon", "cores": 2}}, "machine": {"cpus": 2}}
+    assert docs.machine(record) == "Intel Xeon, 2 cores"          # the harness's record first
+
+
+# ------------------------------------------------------------------------- where and when each block measured
+
+# Rendered blocks whose JSON records no machine (a CPU model) or no commit, each with what it lacks. These were
+# measured before scripts/bench_harness.py recorded both; what could be recovered from git was added to the JSON
+# (`provenance.commit_source`: where the commit comes from; no commit message names their machine). This list
+# may only shrink: re-measuring a result (its script writes the record) makes its entry an error until removed,
+# and an entry must have lacked the same at ALLOW_LISTS_AT (test_allow_lists_only_shrink). Cost to re-measure, on
+# a 2-core CPU, in the comments.
+LEGACY_UNRECORDED = {
+    "bench_adaptive_tp.json": ("machine",),            # ~30-40 min (profiles TP 1/2/4/8, 58M trajectories)
+    "bench_adaptive_tp_predictor.json": ("machine",),  # ~20 min
+    "bench_blockwise.json": ("machine",),              # ~15 min (compiled memory at qwen3-0.6b + CPU times at 8K)
+    "bench_code_rewards.json": ("machine",),           # ~5 min (sandboxed code rewards)
+    "bench_flow.json": ("machine",),                   # ~3 min (bytes counted: no figure depends on the machine)
+    "bench_logprobs.json": ("machine",),               # ~1 min (compiled temp bytes)
+    "bench_logprobs_f32.json": ("machine",),           # ~1 min (compiled temp bytes)
+    "bench_lora.json": ("machine",),                   # ~20 min
+    "bench_lpt.json": ("machine",),                    # ~10 min ("x86_64" only)
+    "bench_pipeline.json": ("machine",),               # ~30 min (three 4-step trainer runs on 8 fake devices)
+    "bench_sim_cluster.json": ("machine",),            # ~10 min (simulated: no figure depends on the machine)
+    "bench_sim_validation.json": ("machine",),         # ~30 min (real engine against the simulator)
+    "bench_tail_batching.json": ("machine",),          # ~30 min
+    "bench_train_memory.json": ("machine",),           # ~5 min (compiled memory only)
+}
+
+# The modules each result measures: a block is stale once more than STALE_AFTER commits touched them since the
+# commit its JSON records (`git rev-list --count <commit>..HEAD -- <paths>`). Every JSON a block reads is here.
+STALE_AFTER = 30
+_WHOLE = ("jaxrl", "models", "kernels", "sharding")                  # a whole training run
+_ENGINE = ("jaxrl/rollout", "models", "kernels/paged_attention.py", "jaxrl/runtime.py")
+_STEP = ("jaxrl/train/step.py", "jaxrl/train/optim.py", "jaxrl/train/batch.py", "jaxrl/config/train.py",
+         "jaxrl/runtime.py", "models",
+         "kernels/attention.py", "kernels/attention_bwd.py", "kernels/attention_common.py", "kernels/logprobs.py",
+         "kernels/logprob_loss.py")
+MEASURES = {
+    **dict.fromkeys(("quickstart.json", "ppo_quickstart.json", "lora_quickstart.json", "multiturn.json",
+                     "smollm2_arith.json", "bench_async.json", "bench_recipes.json", "pair_runs.json",
+                     "bench_cold_start.json", "bench_cold_start_xeon.json", "bench_warm_start.json",
+                     "bench_e2e.json", "bench_e2e_xeon.json", "bench_pipeline.json"), _WHOLE),
+    "suite_time.json": (*_WHOLE, "tests"),
+    **dict.fromkeys(("bench_rollout.json", "bench_rollout_xeon.json", "bench_multiturn.json", "bench_lpt.json",
+                     "bench_adaptive_tp.json", "bench_adaptive_tp_predictor.json"), _ENGINE),
+    "bench_tail_batching.json": (*_ENGINE, "jaxrl/train/rl.py", "jaxrl/rewards"),
+    "bench_train.json": (*_STEP, "jaxrl/algos"),
+    "bench_train_memory.json": _STEP,
+    "bench_blockwise.json": (*_STEP, "jaxrl/train/blockwise.py", "jaxrl/train/history_attention.py",
+                             "kernels/attention_pairs.py"),
+    "bench_lora.json": (*_STEP, *_ENGINE, "sharding"),
+    "bench_logprobs.json": ("kernels/logprobs.py", "kernels/logprob_loss.py"),
+    "bench_logprobs_f32.json": ("kernels/logprobs.py", "kernels/logprob_loss.py"),
+    "bench_flow.json": ("jaxrl/flow", "jaxrl/train/batch.py", "jaxrl/train/distributed.py", "jaxrl/train/balance.py"),
+    "bench_code_rewards.json": ("jaxrl/rewards",),
+    "bench_sim_cluster.json": ("jaxrl/sim",),
+    "sim_fit.json": ("jaxrl/sim",),
+    "bench_sim_validation.json": ("jaxrl/sim", "jaxrl/rollout", "models"),
+    "composition.json": ("jaxrl/config",),
+}
+
+# Rendered blocks older than STALE_AFTER commits to what they measure when this check was added (the count then
+# in the comment). It may only shrink: a re-measured entry is an error until removed, and an entry must have been
+# stale at ALLOW_LISTS_AT already (a result that goes stale later is re-measured, not listed).
+LEGACY_STALE = {
+    "bench_adaptive_tp.json",             # 55
+    "bench_adaptive_tp_predictor.json",   # 45
+    "bench_async.json",                   # 55
+    "bench_blockwise.json",               # 50
+    "bench_cold_start_xeon.json",         # 43
+    "bench_e2e_xeon.json",                # 43
+    "bench_lora.json",                    # 52
+    "bench_lpt.json",                     # 54
+    "bench_multiturn.json",               # 32
+    "bench_pipeline.json",                # 130
+    "bench_recipes.json",                 # 87
+    "bench_sim_validation.json",          # 42
+    "bench_train.json",                   # 34
+    "bench_train_memory.json",            # 64
+    "bench_warm_start.json",              # 35
+    "lora_quickstart.json",               # 43
+    "multiturn.json",                     # 78
+    "ppo_quickstart.json",                # 43
+    "quickstart.json",                    # 43
+}
+ALLOW_LISTS_AT = "de8f5b5957077ca9974e311d0f2e7bbd02b1c588"   # HEAD when the lists were written
+
+
+def block_results() -> dict[str, set[str]]:
+    """{JSON in docs.RESULTS: the rendered blocks that read it}, over every block the pages have: each renderer
+    runs with `Path.read_text` recording the files it opens there."""
+    read, original = set(), Path.read_text
+
+    def recording(self, *a, **kw):
+        if Path(self).resolve().parent == docs.RESULTS.resolve():
+            read.add(Path(self).name)
+        return original(self, *a, **kw)
+
+    names = {m.group("name") for p in docs.pages() for m in docs.MARK.finditer(p.read_text())}
+    out: dict[str, set[str]] = {}
+    Path.read_text = recording
+    try:
+        for name in sorted(names):
+            read.clear()
+            docs.RENDERERS[name]()
+            for f in read:
+                out.setdefault(f, set()).add(name)
+    finally:
+        Path.read_text = original
+    return out
+
+
+def recorded_commit(d: dict) -> str | None:
+    """The commit a result records: its provenance record's (the harness's, or one recovered from git), else
+    its own `commit` (a sha, or {"sha", "dirty"} as `jaxrl.train.summary` writes it)."""
+    c = (d.get("provenance") or {}).get("commit") or d.get("commit")
+    return c.get("sha") if isinstance(c, dict) else c
+
+
+def unrecorded(d: dict) -> tuple[str, ...]:
+    """What a result lacks of its machine (a CPU model: not only an OS or architecture string) and commit."""
+    m = docs.machine_record(d)
+    cpu = m.get("cpu") if isinstance(m, dict) else None
+    return tuple(k for k, ok in (("machine", cpu and cpu != "unknown"), ("commit", recorded_commit(d))) if not ok)
+
+
+def test_every_rendered_block_records_its_machine_and_commit():
+    blocks = block_results()
+    lacking = {f: unrecorded(json.loads((docs.RESULTS / f).read_text())) for f in sorted(blocks)}
+    lacking = {f: miss for f, miss in lacking.items() if miss}
+    new = {f"{f} (blocks {sorted(blocks[f])})": miss for f, miss in lacking.items()
+           if LEGACY_UNRECORDED.get(f) != miss}
+    assert not new, ("rendered blocks whose JSON records no machine or commit (re-measure with the script, which "
+                     f"writes scripts/bench_harness.py's record): {new}")
+    gone = sorted(set(LEGACY_UNRECORDED) - set(lacking))
+    assert not gone, f"LEGACY_UNRECORDED lists JSONs that record what they lacked, or no block reads: remove {gone}"
+
+
+def _git(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_no_rendered_block_is_much_older_than_the_code_it_measures():
+    if _git("rev-parse", "--is-inside-work-tree").returncode:
+        pytest.skip("not a git checkout: no history to date the results by")
+    blocks = block_results()
+    unmapped = sorted(set(blocks) - set(MEASURES))
+    assert not unmapped, f"MEASURES names no modules for {unmapped} (read by blocks {[blocks[f] for f in unmapped]})"
+    age, unknown = {}, []
+    for f in sorted(blocks):
+        sha = recorded_commit(json.loads((docs.RESULTS / f).read_text()))
+        if sha is None:
+            continue                           # (the test above: listed in LEGACY_UNRECORDED)
+        r = _git("rev-list", "--count", f"{sha}..HEAD", "--", *MEASURES[f])
+        if r.returncode:
+            unknown.append(f"{f}: {sha} ({r.stderr.strip()})")
+            continue
+        age[f] = int(r.stdout)
+    assert not unknown, f"results recording a commit this history lacks: {unknown}"
+    stale = {f: f"{n} commits; blocks {sorted(blocks[f])}" for f, n in age.items()
+             if n > STALE_AFTER and f not in LEGACY_STALE}
+    assert not stale, (f"rendered blocks older than {STALE_AFTER} commits to the modules they measure "
+                       f"(re-measure, then scripts/docs.py): {stale}")
+    fresh = sorted(f for f in LEGACY_STALE if age.get(f, 0) <= STALE_AFTER)
+    assert not fresh, f"LEGACY_STALE lists results re-measured since (or read by no block): remove {fresh}"
 
 
 def test_readme_is_the_front_page():
@@ -141,3 +308,23 @@ def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
     assert (site / "index.html").exists() and (site / "results" / "quickstart_curves.png").exists()
     assert "results/quickstart_curves.png" in (site / "index.html").read_text()
+
+
+def test_allow_lists_only_shrink():
+    """An entry of LEGACY_UNRECORDED lacked the same in its JSON at ALLOW_LISTS_AT, and one of LEGACY_STALE was
+    over STALE_AFTER commits old then: neither list can take a result that loses its record or ages later."""
+    if _git("cat-file", "-e", f"{ALLOW_LISTS_AT}^{{commit}}").returncode:
+        pytest.skip(f"no git history with {ALLOW_LISTS_AT[:10]}: the lists cannot be checked against it")
+    rel = docs.RESULTS.relative_to(ROOT).as_posix()
+    added = []
+    for f, missing in LEGACY_UNRECORDED.items():
+        r = _git("show", f"{ALLOW_LISTS_AT}:{rel}/{f}")
+        if r.returncode or not set(missing) <= set(unrecorded(json.loads(r.stdout))):
+            added.append(f)
+    assert not added, f"LEGACY_UNRECORDED entries whose JSON recorded that at {ALLOW_LISTS_AT[:10]}: {added}"
+    for f in LEGACY_STALE:
+        sha = recorded_commit(json.loads((docs.RESULTS / f).read_text())) if (docs.RESULTS / f).exists() else None
+        r = _git("rev-list", "--count", f"{sha}..{ALLOW_LISTS_AT}", "--", *MEASURES.get(f, ("-",)))
+        if not sha or f not in MEASURES or r.returncode or int(r.stdout) <= STALE_AFTER:
+            added.append(f)
+    assert not added, f"LEGACY_STALE entries not over {STALE_AFTER} commits old at {ALLOW_LISTS_AT[:10]}: {added}"
