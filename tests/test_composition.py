@@ -12,8 +12,11 @@ import pytest
 from jaxrl.config.composition import MECHANISMS, RECIPES, check, overrides, recipe_config, recipe_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-REFUSED_AT_MOST = 16          # of the 190 pairs; lower it when a pair starts to compose, never raise it (5 of
-                              # the first 120; 7 more came with async_k2, weight_swap and gspo, 4 with carry_partial)
+REFUSED_AT_MOST = 22          # of the 231 pairs; lower it when a pair starts to compose, never raise it for an old
+                              # pair (5 of the first 120; 7 more came with async_k2, weight_swap and gspo, 4 with
+                              # carry_partial, 2 with opd; 4 pairs that set one key twice, e.g. async's
+                              # max_staleness=1 and async_k2's 2, had counted as accepted while the later value won:
+                              # `composition.clash` refuses them)
 
 
 def _script():
@@ -30,6 +33,7 @@ def table():
 
 def test_committed_table_matches_the_code(table):
     committed = json.loads((ROOT / "scripts" / "results" / "composition.json").read_text())
+    committed.pop("provenance", None)          # (where and when it was written: scripts/bench_harness.py)
     assert committed == table, "re-run: scripts/venv.sh python scripts/composition.py && scripts/venv.sh python scripts/docs.py"
 
 

@@ -28,6 +28,9 @@ def test_every_refused_pair_is_a_declared_conflict(monkeypatch):
     refused = [p for p in table["pairs"] if not p["accepted"]]
     assert refused
     for p in refused:
+        if composition.clash(p["a"], p["b"]) is not None:   # two settings of one key (no config to load)
+            assert composition.clash(p["a"], p["b"]) == (p["key"], p["reason"]), p
+            continue
         cfg = _unchecked(monkeypatch, p["a"], p["b"])        # no section check refuses it any more...
         assert conflicts(cfg)[0] == (p["key"], p["reason"]), p   # ...the declarations do, with the same words
 

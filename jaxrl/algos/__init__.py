@@ -18,6 +18,7 @@ String arguments (`agg`, `kind`, estimator names) and `None`-able switches (`cli
 from .advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, dr_grpo_advantages, gae_advantages,
                          grpo_advantages, outcome_token_rewards, register_advantage, reinforce_pp_advantages,
                          rloo_advantages)
+from .distill import opd_advantages, opd_token_terms
 from .aggregation import (AGGREGATIONS, Aggregation, aggregate, folded_token_weights, register_aggregation,
                           token_weights)
 from .kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
@@ -32,6 +33,6 @@ __all__ = [
     "packed_sequence_ratio", "sequence_log_ratio", "staleness_mask", "broadcast_sequence", "compute_advantages", "dr_grpo_advantages", "entropy_bonus",
     "folded_token_weights", "gae_advantages", "grpo_advantages", "kl_loss", "kl_penalty", "last_token_mask",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "outcome_token_rewards", "policy_loss",
-    "ppo_clip_token_loss", "register_advantage", "register_aggregation", "register_kl_estimator",
+    "opd_advantages", "opd_token_terms", "ppo_clip_token_loss", "register_advantage", "register_aggregation", "register_kl_estimator",
     "reinforce_pp_advantages", "rloo_advantages", "token_weights", "value_loss", "value_token_loss",
 ]

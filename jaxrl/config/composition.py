@@ -96,6 +96,10 @@ MECHANISMS: dict[str, Mechanism] = {
                       "nothing of the training: it samples held-out prompts on the engine between rollouts (a split "
                       "takes its prompts out of the training rows)",
                       "an idle engine between rollouts; single-turn rows scored by rewards.*", "held-out evaluation"),
+    "opd": Mechanism(("algo.advantage=opd", "algo.opd.reward_weight=0.5"),
+                     "advantages (a teacher's per-token log-probs of the sampled tokens, plus a share of the task "
+                     "reward's)", "the batch's sequences after the rollout; a teacher sharing the tokenizer (here the "
+                     "reference policy)", "on-policy distillation (GKD)"),
     "lora": Mechanism(("model.lora.rank=8",), "which weights train (low-rank adapters; the base frozen, the reference)",
                       "a base model (initialised or an HF checkpoint)", "LoRA (Hu et al.)"),
 }
@@ -110,8 +114,25 @@ def overrides(*names: str) -> list[str]:
     return [f"{k}={v}" for k, v in merged.items()]
 
 
+def clash(*names: str) -> tuple[str, str] | None:
+    """The first key two of the named mechanisms set to different values (two settings of one choice: e.g. two
+    advantage estimators), as a refusal (key, message); None when they agree."""
+    seen: dict[str, tuple[str, str]] = {}
+    for name in names:
+        for item in MECHANISMS[name].overrides:
+            key, value = item.split("=", 1)
+            if key in seen and seen[key][1] != value:
+                return key, (f"{seen[key][0]} sets {key}={seen[key][1]} and {name} sets {value}: one value per key "
+                             "(two settings of one choice)")
+            seen.setdefault(key, (name, value))
+    return None
+
+
 def check(*names: str) -> tuple[str, str] | None:
-    """None if the quickstart with these mechanisms on loads, else the refusal (key, message)."""
+    """None if the quickstart with these mechanisms on loads, else the refusal (key, message): two settings of
+    one key (`clash`), or the config's own refusal."""
+    if (both := clash(*names)) is not None:
+        return both
     try:
         load_config(TrainConfig, overrides(*names), default_yaml=CONFIGS_DIR / "quickstart.yaml")
     except ConfigError as e:

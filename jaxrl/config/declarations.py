@@ -19,6 +19,7 @@ The vocabulary of things:
 | `advantages` | PPO's critic (`algo.advantage=gae`) | "group" (the default), "critic" (values over the whole batch) |
 | `kv_source` | MetroRLHF's rollout K/V (`trainer.kv_source=rollout`) | "recompute" (the default), "rollout" |
 | `sample` | multi-turn (`rollout.env`) | "response" (the default), "trajectory" |
+| `token_scores` | on-policy distillation (`algo.advantage=opd`) | "none" (the default), "teacher" (a teacher pass over the batch after the rollout) |
 
 Single-section rules (a value out of range, a key that needs another set) stay in each section's checks; only
 refusals between mechanisms live here.
@@ -85,6 +86,9 @@ COMPONENTS: tuple[Component, ...] = (
               "arrives, with no proximal log-prob pass (not built yet)"),
         Needs("advantages", GROUP, "{other} (PPO with a critic): the stream trainer computes gradients during the "
               "rollout, before any values exist"),
+        Needs("token_scores", frozenset({"none"}), "{value} with {other}: the stream trainer computes each group's "
+              "gradient during the rollout, and on-policy distillation's advantages wait for the teacher's pass over "
+              "the batch after it (a per-group teacher pass is not built yet)"),
     )),
     Component("async", "trainer.max_staleness", lambda c: isinstance(c.trainer.max_staleness, int) and c.trainer.max_staleness > 0,
               decides=(Decides("rollout_policy", "older"),)),
@@ -93,6 +97,13 @@ COMPONENTS: tuple[Component, ...] = (
               needs=(Needs("advantages", GROUP, "{value} with {other}: PPO with a critic trains with objective=ppo"),)),
     Component("ppo", "algo.advantage", lambda c: c.algo.advantage == "gae",
               decides=(Decides("advantages", "critic"),)),
+    Component("opd", "algo.advantage", lambda c: c.algo.advantage == "opd",
+              decides=(Decides("token_scores", "teacher"),)),
+    Component("opd_trainer_logp", "algo.opd.student_logp",
+              lambda c: c.algo.advantage == "opd" and c.algo.opd.student_logp == "trainer",
+              needs=(Needs("rollout_policy", CURRENT, "{value} with {other}: the trainer's forward gives the log-probs "
+                           "of the weights it holds, and an asynchronous rollout was sampled by older ones; use "
+                           "algo.opd.student_logp=rollout (the engine's, the behaviour policy's)"),)),
     Component("rollout_kv", "trainer.kv_source", lambda c: c.trainer.kv_source == "rollout",
               decides=(Decides("kv_source", "rollout"),),
               needs=(Needs("rollout_policy", CURRENT, "{value} with {other}: a rollout trained steps late was made by "

@@ -24,6 +24,7 @@ from .optim import OptimSection  # (also imported from here: jaxrl.config.train.
 from .critic import CriticSection, check_critic
 from .declarations import check_declarations
 from .eval import EvalSection
+from .distill import OpdSection, TeacherSection, check_distill
 
 # Choices come from the `jaxrl.algos` registries (one list of names, not a copy); "gae" is PPO with a
 # critic (`critic` section, the `ppo` graph).
@@ -31,7 +32,7 @@ ADVANTAGES = tuple(algos.ADVANTAGE_ESTIMATORS)
 KL_IN_REWARD = ("gae", "reinforce_pp")        # estimators whose token rewards carry the KL penalty
 # estimators whose advantages need the whole batch (GAE's whitening over every token, REINFORCE++'s batch
 # normalisation): an update cannot start per group before the rollout ends (streamed gradients)
-WHOLE_BATCH_ADVANTAGES = ("gae", "reinforce_pp")
+WHOLE_BATCH_ADVANTAGES = ("gae", "reinforce_pp", "opd")    # (opd: the teacher scores the batch after the rollout)
 AGGREGATIONS = tuple(algos.AGGREGATIONS)
 KL_ESTIMATORS = tuple(algos.KL_ESTIMATORS)
 
@@ -61,7 +62,7 @@ class DataSection(Section):
 class AlgoSection(Section):
     """RL objective. GRPO defaults; DAPO = clip_high 0.28 + agg token-mean; Dr. GRPO = dr_grpo + seq-mean-token-sum-norm."""
 
-    advantage: str = "grpo"              # advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae (PPO: a critic)
+    advantage: str = "grpo"              # advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gae (PPO: a critic), opd (a teacher)
     group_size: int = 8                  # samples per prompt
     prompts_per_step: int = 16           # global, over all processes
     mini_batches: int = 1                # optimizer updates per rollout batch (>1 makes it off-policy)
@@ -79,6 +80,7 @@ class AlgoSection(Section):
     objective: str = "ppo"               # ppo, decoupled (AReaL: behaviour weight x proximal clip) or gspo (sequence ratio)
     is_correction: str = "truncate"      # decoupled: the importance weight pi_prox/pi_behav: none, truncate (TIS) or mask (MIS)
     is_cap: float = 2.0                  # decoupled: C of the truncation / mask
+    opd: OpdSection = dataclasses.field(default_factory=OpdSection)   # on-policy distillation (advantage=opd)
     graph: str = "default"               # the step's graph (jaxrl.flow): a built-in name (grpo, dapo, rloo, reinforce_pp, ppo) or a .yaml path; default = algo.advantage's
 
     def __post_init__(self):
@@ -172,19 +174,22 @@ class TrainerSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSection(Section):
-    """Supervised warm start on the built-in tasks' demonstrations (steps 0 = skip); `batch_size` is global.
+    """Supervised warm start on demonstrations (steps 0 = skip); `batch_size` is global.
 
-    It needs demonstrations, which only the built-in tasks have: with other data (a JSONL of math
-    problems, say) it is skipped with one line, so recipes written for the built-in tasks still run."""
+    The demonstrations are the built-in tasks' ideal responses, or, with `response_key`, that column of each row
+    of `data.source` (e.g. a teacher's sampled responses, for on-policy distillation's student). With other data
+    and no `response_key` it is skipped with one line, so recipes written for the built-in tasks still run."""
 
     steps: int = 0                       # supervised steps before RL (0 = none)
     batch_size: int = 32                 # demonstrations per step, over all processes
+    response_key: str | None = None      # a data column holding each row's demonstration (null: the built-in tasks')
     optim: OptimSection = dataclasses.field(default_factory=lambda: OptimSection(lr=3e-3, warmup_steps=20,
                                                                                   schedule="cosine"))
 
     def __post_init__(self):
         check_int("steps", self.steps, minimum=0)
         check_int("batch_size", self.batch_size, minimum=1)
+        check_str("response_key", self.response_key, allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +271,7 @@ class TrainConfig(Section):
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)   # held-out evaluation (off unless eval.data/split)
+    teacher: TeacherSection = dataclasses.field(default_factory=TeacherSection)   # on-policy distillation's teacher (advantage=opd)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
     placement: str = "colocated"         # colocated (rollout and training share devices) or disaggregated (StreamRL: own pools)
     stage_balance: StageBalanceSection = dataclasses.field(default_factory=StageBalanceSection)   # StreamRL scale-up
@@ -310,6 +316,7 @@ class TrainConfig(Section):
         check_stream(self.trainer.stream, self)
         check_placement(self)
         check_objective(self)
+        check_distill(self)
         check_carry(self)
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         if longest > self.engine.max_seq_len:

@@ -7,11 +7,13 @@ node and the plan (ARCHITECTURE.md, "Components": a node reads components, never
                      rollout       jaxrl.train.rollout_side.RolloutSide: prompts, instances, tail batching,
                                    skew placement, the planner, PAT (`take(step)` is the step's rollout)
                      rewards       the reward scheduler, and the guard against all-failed steps
-                     critic        PPO's value model (algo.advantage=gae), else None
                      databuffer    DistFlow's token repartition (trainer.repartition=tokens), else None
                      worker        StreamRL's train-pool thread (placement=disaggregated), else None
                      stream        RollPacker's stream trainer (trainer.stream.enabled), else None
                      gstream       StreamRL's gradient stream into the train pool, else None
+                     components    the registered components the config turns on, by name
+                                   (`jaxrl.train.components`: PPO's "critic", OPD's "teacher");
+                                   `component(name)`, and `critic` (None without PPO)
     FlowContext    (train, node, plan) for one node's call
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.config.train import TrainConfig
@@ -44,12 +47,24 @@ class TrainContext:
     rollout: RolloutSide
     rewards: RewardScheduler
     reward_guard: RewardFailureGuard
-    critic: Critic | None
     databuffer: SampleBuffer | None
     worker: TrainWorker | None
     stream: StreamTrainer | None
     gstream: GradientStream | None
     log: logging.Logger
+    components: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def component(self, name: str):
+        """The registered component `name` (`jaxrl.train.components`); an error naming the ones that are on."""
+        if name not in self.components:
+            raise RuntimeError(f"this run has no {name!r} component (on: {', '.join(sorted(self.components)) or 'none'}); "
+                               "its config section turns it on")
+        return self.components[name]
+
+    @property
+    def critic(self) -> Critic | None:
+        """PPO's value model (the registered "critic" component, algo.advantage=gae), else None."""
+        return self.components.get("critic")
 
     @property
     def policy(self) -> Policy:

@@ -29,6 +29,8 @@ class StepData:
     values: list[np.ndarray] | None = None  # critic: per sample, per response token (V at rollout time)
     returns: list[np.ndarray] | None = None  # GAE: per sample, per response token (the critic's targets)
     kl: list[np.ndarray] | None = None      # algo.kl_in_reward: per sample, KL to the reference per response token
+    teacher_logp: list[np.ndarray] | None = None   # opd: per sample, the teacher's log-prob per response token
+    student_logp: list[np.ndarray] | None = None   # opd (student_logp=trainer): the trainer's, per response token
     train_metrics: dict | None = None       # the update's statistics (host values)
     metrics: dict = dataclasses.field(default_factory=dict)     # extra per-step metrics written by nodes
     train_wait_s: float = 0.0               # StreamRL: time the step waited for the train pool
@@ -58,7 +60,7 @@ class StepData:
         self.completions = [self.completions[i] for i in idx]
         if self.rewards is not None:
             self.rewards = np.asarray(self.rewards)[idx]
-        for name in ("advantages", "samples", "values", "returns", "kl"):
+        for name in ("advantages", "samples", "values", "returns", "kl", "teacher_logp", "student_logp"):
             v = getattr(self, name)
             if v is not None:
                 setattr(self, name, [v[i] for i in idx])

@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 TYPES = ("model_inference", "model_train", "compute")
-ROLES = ("actor", "critic", "reference", "reward", "advantage")     # built-in roles (others need `fn`)
+ROLES = ("actor", "critic", "reference", "reward", "advantage", "teacher")     # built-in roles (others need `fn`)
 REQUIRED = (("actor", "model_inference"), ("actor", "model_train"))
 GRAPHS_DIR = Path(__file__).parent / "graphs"
 _KEYS = ("id", "role", "type", "deps", "stream", "fn", "when", "options")

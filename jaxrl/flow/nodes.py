@@ -67,7 +67,7 @@ def reward(ctx: FlowContext, data: StepData) -> None:
 def advantage(ctx: FlowContext, data: StepData, estimator: str | None = None) -> None:
     """Per-token advantages (`algo.advantage`; a graph that names `estimator` is checked against it when the
     plan is built) and one training sample per completion."""
-    cfg, G = ctx.train.cfg, data.group_size
+    cfg = ctx.train.cfg
     kl = data.kl
     if cfg.algo.kl_in_reward and kl is None:
         raise RuntimeError(f"node {ctx.node.id!r}: algo.kl_in_reward needs the per-token KL (data.kl) from a "
@@ -76,8 +76,14 @@ def advantage(ctx: FlowContext, data: StepData, estimator: str | None = None) ->
         data.advantages, data.returns = critic.gae(cfg, data.rewards, data.lens, data.values, kl)
     else:
         data.advantages = rl.advantages(cfg, data.rewards, data.lens, kl=kl)
-    data.samples = [Sample(data.prompts[k // G], c.tokens, data.advantages[k], c.logprobs, data.version,
-                           mask=trained_mask(c)) for k, c in enumerate(data.completions)]
+    data.samples = make_samples(data)
+
+
+def make_samples(data: StepData) -> list[Sample]:
+    """One training sample per completion, from its prompt, tokens, `data.advantages` and sampling log-probs."""
+    G = data.group_size
+    return [Sample(data.prompts[k // G], c.tokens, data.advantages[k], c.logprobs, data.version, mask=trained_mask(c))
+            for k, c in enumerate(data.completions)]
 
 
 @register(name="drop_equal_groups")

@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from . import nodes, ppo  # noqa: F401  (their @register decorators fill the registry with the built-in nodes)
+from . import nodes, opd, ppo  # noqa: F401  (their @register decorators fill the registry with the built-in nodes)
 from .context import FlowContext, TrainContext
 from .data import StepData
 from .graph import Graph, GraphError, check, load_graph
 from .planner import Plan, plan
 from .registry import NodeFn, bind
 
-DEFAULT_GRAPHS = {"grpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "gae": "ppo"}
+DEFAULT_GRAPHS = {"grpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "gae": "ppo", "opd": "opd"}
 
 
 def graph_name(cfg) -> str:
@@ -73,6 +73,12 @@ class Flow:
         if cfg.algo.advantage == "gae" and not {"model_inference", "model_train"} <= critic:
             raise GraphError(f"{src}: algo.advantage=gae needs a critic: nodes (role critic, type model_inference) "
                              "for its values and (role critic, type model_train) for its update; use algo.graph=ppo")
+        teacher = [n for n in self.graph.nodes if n.role == "teacher"]
+        if cfg.algo.advantage == "opd" and not teacher:
+            raise GraphError(f"{src}: algo.advantage=opd needs a teacher node (role teacher, type model_inference) "
+                             "and the opd_advantage node after it; use algo.graph=opd")
+        if teacher and cfg.algo.advantage != "opd":
+            raise GraphError(f"{src}: the teacher's node needs algo.advantage=opd (its log-probs are OPD's advantage)")
         if critic and cfg.algo.advantage != "gae":
             raise GraphError(f"{src}: the critic's nodes need algo.advantage=gae (GAE is what reads its values)")
         if cfg.algo.kl_in_reward:

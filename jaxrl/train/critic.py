@@ -36,6 +36,7 @@ from . import rl
 from .distributed import global_sum
 from .optim import init_state, make_optimizer
 from .step import make_apply_update
+from .components import Parts, register
 from .update import ZERO_SUMS, sums_shardings, warm_sums
 
 VALUE_FIELDS = ("tokens", "positions", "segment_ids")
@@ -131,7 +132,29 @@ class Critic:
         self.params, self.opt_state, m = self.cache("critic_apply", self._apply, self.params, self.opt_state, grads, 1.0)
         return step_metrics(*jax.device_get((m, sums)))
 
-    def warm(self, mb: dict) -> int:
+    # -------------------------------------------- as a run component (`jaxrl.train.components`)
+    def start(self, policy) -> None:
+        """RL starts: the trunk from the policy's weights (after the warm start), unless a checkpoint gave them."""
+        if self.params is None:
+            self.init(policy.params)
+
+    def saved(self) -> dict | None:
+        """What a checkpoint holds of it (None before RL starts)."""
+        return None if self.params is None else self.state()
+
+    def restore_target(self, policy) -> dict:
+        """The shapes and shardings a checkpoint restores into (from the policy's weights)."""
+        self.init(policy.params)
+        return self.state()
+
+    def restored(self, state: dict | None) -> None:
+        """The checkpoint's state, or None when none was usable (the critic starts afresh with RL)."""
+        if state is None:
+            self.params = self.opt_state = None
+        else:
+            self.load(state)
+
+    def warm(self, mb: dict, policy=None) -> int:
         """Compile the value pass, the zero sums, the gradient step and the update for
         micro-batches shaped like `mb` (ShapeDtypeStructs with shardings; returns/old_values are added),
         following the update's output shardings until they repeat (as `Updater.warm`). Nothing runs."""
@@ -168,3 +191,12 @@ def gae(cfg, rewards: np.ndarray, lens: list[int], values: list[np.ndarray], kl:
     var = max(ss / max(n, 1.0) - mean * mean, 0.0)
     adv = ((adv - mean) / np.sqrt(var + 1e-8)).astype(np.float32)
     return [adv[i, :k] for i, k in enumerate(lens)], [ret[i, :k] for i, k in enumerate(lens)]
+
+
+@register("critic", section="critic", active=lambda cfg: cfg.algo.advantage == "gae")
+def build(section, parts: Parts) -> Critic:
+    """PPO's value model (algo.advantage=gae) on the train mesh, in the policy's shardings; its weights are made
+    when RL starts (`start`)."""
+    uc = parts.update
+    cfg = uc.cfg
+    return Critic(parts.model_cfg, section, cfg.trainer, uc.mesh, uc.shardings, cfg.steps * cfg.algo.mini_batches)

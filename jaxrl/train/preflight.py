@@ -112,7 +112,7 @@ def _has_tokenizer(directory: str | os.PathLike) -> bool:
     return (Path(directory) / "tokenizer.json").is_file()
 
 
-def _same_tokenizer(a, b) -> bool:
+def same_tokenizer(a, b) -> bool:
     text = a.apply_chat_template([{"role": "user", "content": _PROBE}])
     return (a.vocab_size == b.vocab_size and a.encode(_PROBE) == b.encode(_PROBE)
             and tuple(a.eos_ids) == tuple(b.eos_ids) and a.encode(text) == b.encode(text))
@@ -133,7 +133,7 @@ def tokenizer_source(cfg: TrainConfig) -> str:
         return model_dir
     if model_dir is not None and _has_tokenizer(model_dir) and absolute(given) != absolute(model_dir):
         ours, theirs = load_tokenizer(given), load_tokenizer(model_dir)
-        if not _same_tokenizer(ours, theirs):
+        if not same_tokenizer(ours, theirs):
             name = given if given == "char" else absolute(given)
             raise StartupError(f"data.tokenizer={name} ({ours.vocab_size} tokens) does not match the tokenizer of "
                                f"model.hf_path={absolute(model_dir)} ({theirs.vocab_size} tokens); leave "

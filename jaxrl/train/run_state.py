@@ -1,11 +1,12 @@
 """What a checkpoint of an RL run holds, and putting it back: each component's own state.
 
-    save(ckpt, step, cfg, policy, critic, rollout, rewards)
-    step = restore(ckpt, cfg, policy, critic, rollout, rewards)     # None: nothing usable, start fresh
+    save(ckpt, step, cfg, policy, components, rollout, rewards)
+    step = restore(ckpt, cfg, policy, components, rollout, rewards)     # None: nothing usable, start fresh
     export(run_dir, cfg, model_cfg, policy, tokenizer)             # the end: Hugging Face (and PEFT) files
 
 Arrays (the checkpoint's state): the policy's params and opt_state (with LoRA: the adapters and theirs), the
-reference weights when kl_coef is set (not with LoRA: the base is the reference), PPO's critic. Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
+reference weights when kl_coef is set or the teacher is the reference (not with LoRA: the base is the reference),
+each registered component's own (`jaxrl.train.components`: PPO's critic, under "critic"). Meta (JSON): the step, the config, the rollout side's (`RolloutSide.state_dict`:
 the loader's position, the long-prompt queue, the planner, the length ranker, one-step-async's next
 rollout) and the reward scheduler's adaptive timeouts.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import jax
 
 from jaxrl.config import to_yaml
+from jaxrl.config.distill import needs_reference
 from jaxrl.config.train import TrainConfig
 from jaxrl.rewards import RewardScheduler
 from models import save_hf
@@ -31,50 +33,39 @@ from models.peft_io import save_peft
 
 from .checkpoint import CheckpointManager
 from .context import Policy
-from .critic import Critic
+from .components import restore_targets, restored_all, saved_states
 from .preflight import StartupError
 from .rollout_side import RolloutSide
 
 
-def arrays(policy: Policy, critic: Critic | None) -> dict:
-    state = policy.state()
-    if critic is not None and critic.params is not None:
-        state["critic"] = critic.state()
-    return state
-
-
-def save(ckpt: CheckpointManager, step: int, cfg: TrainConfig, policy: Policy, critic: Critic | None,
+def save(ckpt: CheckpointManager, step: int, cfg: TrainConfig, policy: Policy, components: dict,
          rollout: RolloutSide, rewards: RewardScheduler) -> None:
     meta = {"step": step, "config": to_yaml(cfg), **rollout.state_dict(),
             "reward_scheduler": rewards.state_dict()}       # the adaptive timeouts' anchors
-    ckpt.save(step, arrays(policy, critic), meta)
+    ckpt.save(step, {**policy.state(), **saved_states(components)}, meta)
 
 
-def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, critic: Critic | None,
+def restore(ckpt: CheckpointManager, cfg: TrainConfig, policy: Policy, components: dict,
             rollout: RolloutSide, rewards: RewardScheduler, *, relayout: bool = False) -> int | None:
     """The latest usable checkpoint into the components; its step (None: none, or none usable). `relayout`: the
     layout keys changed (module docstring; another process count is seen here)."""
     if ckpt.latest_step() is None:
         return None
-    if cfg.algo.kl_coef:              # shapes and shardings of the restore target
+    if needs_reference(cfg):          # shapes and shardings of the restore target
         policy.ref_params = policy.params
-    if critic is not None:
-        critic.init(policy.params)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          arrays(policy, critic))
+                          {**policy.state(), **restore_targets(components, policy)})
     got = ckpt.restore(target=target)
     if got is None:          # every checkpoint was unusable (moved aside, logged): start fresh
         policy.ref_params = None
-        if critic is not None:
-            critic.params = critic.opt_state = None
+        restored_all(components, None)
         return None
     step, state, meta = got
     saved = ckpt.processes(step)
     if relayout or saved not in (None, jax.process_count()):
         meta = moved_meta(meta, cfg, saved)
     policy.load_state(state)
-    if critic is not None:
-        critic.load(state["critic"])
+    restored_all(components, state)
     rollout.load_state_dict(meta)
     if "reward_scheduler" in meta:
         rewards.load_state_dict(meta["reward_scheduler"])

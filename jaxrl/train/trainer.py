@@ -4,7 +4,8 @@ stage does lives in its own module (ARCHITECTURE.md, "Components"). Synchronous 
 `placement=disaggregated` (`pipeline.py`).
 
     setup:   tokenizer -> prompts -> reward pool (every reward name resolved) -> train mesh (all devices, or
-             the train pool) and the policy -> the update side (`context.UpdateContext`) -> [critic] ->
+             the train pool) and the policy -> the update side (`context.UpdateContext`) -> the registered
+             components the config turns on (`components.py`: PPO's critic, OPD's teacher) ->
              [stream trainer] -> rollout instances -> [train pool thread, gradient stream, scale-up] -> the
              rollout side (`rollout_side.RolloutSide`: loader, tail batching, skew placement, planner, PAT)
              -> the step's graph (`jaxrl.flow`) -> checkpoints (resume if any: `run_state`) and metrics
@@ -41,8 +42,8 @@ from sharding import ShardingRules, padded_vocab_for, shardings_for
 from . import rl, run_state
 from .balance import ScaleUp
 from .checkpoint import CheckpointManager
+from .components import Parts, build_components, start_all
 from .context import Policy, UpdateContext
-from .critic import Critic
 from .curves import draw_run_curves
 from .distributed import global_sum
 from .grad_stream import GradientStream
@@ -94,7 +95,8 @@ class Trainer:
         self.plan = plan if plan is not None else plan_resume(cfg)
         self.is_main = jax.process_index() == 0
         model_cfg, dtype, t, a = cfg.model.model_config(), cfg.model.jnp_dtype(), cfg.trainer, cfg.algo
-        self.tokenizer = load_tokenizer(check_tokenizer(cfg))
+        source = check_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(source)
         with startup_errors(prefix="data.source: "):      # (a file without one usable row: one line)
             self.dataset = load_prompts(cfg, self.tokenizer)
         with startup_errors():                            # held-out prompts (a split leaves the training rows)
@@ -116,9 +118,8 @@ class Trainer:
         tx, self.lr = make_optimizer(cfg.optim, cfg.steps * a.mini_batches)
         policy = Policy(params, init_state(tx, params, shardings, mesh), save_base=cfg.warm_start.steps > 0)
         uc = UpdateContext.build(cfg, model_cfg, mesh, shardings, policy, tx, dtype)
-        critic = None        # PPO's value model (algo.advantage=gae); its weights are made when RL starts
-        if a.advantage == "gae":
-            critic = Critic(model_cfg, cfg.critic, t, mesh, shardings, cfg.steps * a.mini_batches)
+        with startup_errors(self.pool):     # the registered components that are on (PPO's critic, OPD's teacher)
+            components = build_components(cfg, Parts(model_cfg, source, uc, train_devices, cfg.seed, dtype))
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         svc = RolloutService.from_config(cfg.engine, model_cfg, params, devices=gen_devices,
                                          order="lpt" if cfg.rollout.skew.enabled and cfg.rollout.skew.lpt else "fcfs",
@@ -144,8 +145,8 @@ class Trainer:
         with startup_errors(self.pool):     # DistFlow: the step's graph, planned and bound to its functions
             self.flow = Flow.build(cfg, streamed_update=bool(stream or gstream))
         databuffer = SampleBuffer(mesh, uc.pack_len) if t.repartition == "tokens" else None
-        self.train = TrainContext(cfg, self.tokenizer, uc, rs, rewards, rs.reward_guard, critic, databuffer, worker,
-                                  stream, gstream, log)
+        self.train = TrainContext(cfg, self.tokenizer, uc, rs, rewards, rs.reward_guard, databuffer, worker, stream,
+                                  gstream, log, components)
         self.policy, self.update, self.rollout, self.svc = policy, uc, rs, svc
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.step = 0
@@ -161,12 +162,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------- checkpoints
     def _save(self):
         tc = self.train
-        run_state.save(self.ckpt, self.step, self.cfg, self.policy, tc.critic, self.rollout, tc.rewards)
+        run_state.save(self.ckpt, self.step, self.cfg, self.policy, tc.components, self.rollout, tc.rewards)
 
     def _resume(self) -> bool:
         tc = self.train
         with startup_errors(self.pool, convert=False):    # (a checkpoint this config cannot resume: one line)
-            step = run_state.restore(self.ckpt, self.cfg, self.policy, tc.critic, self.rollout, tc.rewards,
+            step = run_state.restore(self.ckpt, self.cfg, self.policy, tc.components, self.rollout, tc.rewards,
                                      relayout=bool(self.plan.relayout))
         if step is None:
             return False
@@ -201,7 +202,7 @@ class Trainer:
         if not self.cfg.trainer.warmup:
             return
         t0, bg = time.perf_counter(), self.cfg.trainer.background_compile and self.step == 0
-        n = warm_up(self.update, self.rollout, critic=self.train.critic, balance=self.balance, background=bg)
+        n = warm_up(self.update, self.rollout, balance=self.balance, background=bg, components=self.train.components)
         if self.is_main:     # (step 0's `compiles` metric counts them, with the warm start's)
             print(f"[train] warm-up: {n} rollout/update executables compiled in {time.perf_counter() - t0:.1f} s"
                   + ", the rest on a thread (after step 0)" * bg, flush=True)
@@ -274,11 +275,10 @@ class Trainer:
                   f"raise steps= to train further", flush=True)
         try:
             self.warm_start()
-            pol, critic = self.policy, self.train.critic
+            pol = self.policy
             if self.cfg.algo.kl_coef:
                 pol.start_reference()
-            if critic is not None and critic.params is None:    # PPO: the critic starts from the policy
-                critic.init(pol.params)
+            start_all(self.train.components, pol)     # PPO's critic from the policy, OPD's reference teacher
             if not self.resumed and self.step == 0:
                 self._save()
             self.warm_up()

@@ -77,8 +77,10 @@ def needs_policy_logprobs(cfg) -> bool:
     """Whether a step runs the log-prob pass on the policy's own weights: the old log-probs of several
     mini-batches, or the reward's KL (algo.kl_in_reward). On-policy with one update it never does (the ratio
     is 1: `step.token_loss`), so its executable is not compiled. An off-policy objective always does
-    (`corrections`: π_prox, GSPO's ratio)."""
-    return cfg.algo.mini_batches > 1 or cfg.algo.kl_in_reward or cfg.algo.objective != "ppo"
+    (`corrections`: π_prox, GSPO's ratio), and so does OPD with algo.opd.student_logp=trainer (the student's
+    log-probs for the advantage)."""
+    return (cfg.algo.mini_batches > 1 or cfg.algo.kl_in_reward or cfg.algo.objective != "ppo"
+            or (cfg.algo.advantage == "opd" and cfg.algo.opd.student_logp == "trainer"))
 
 
 class Updater:

@@ -1,7 +1,7 @@
-"""The supervised warm start: NLL steps on the built-in tasks' demonstrations before RL, so the policy
-sometimes succeeds (with an environment, `rollout.env`: each task's demonstration turns played against it, the
-observations masked) (skipped, with one line, for data of other tasks: only built-in rows have
-demonstrations)."""
+"""The supervised warm start: NLL steps on demonstrations before RL, so the policy sometimes succeeds: the
+built-in tasks' ideal responses (with an environment, `rollout.env`: each task's demonstration turns played
+against it, the observations masked), or the `warm_start.response_key` column of each row (e.g. a teacher's
+sampled responses). Skipped, with one line, for data of other tasks without that column."""
 
 from __future__ import annotations
 
@@ -24,8 +24,13 @@ from .update import Updater
 
 
 def demonstrations(rows: list[dict], tokenizer, cfg: TrainConfig) -> list[Sample]:
-    """One training sample per row: its task's ideal response; with an environment (rollout.env) the task's
-    ideal turns played against it, the observations masked out (`jaxrl.envs.render.demonstration`)."""
+    """One training sample per row: its `warm_start.response_key` column (+ EOS), else its task's ideal response;
+    with an environment (rollout.env) the task's ideal turns played against it, the observations masked out
+    (`jaxrl.envs.render.demonstration`)."""
+    key = cfg.warm_start.response_key
+    if key is not None:
+        prompts = encode_prompts(rows, tokenizer, cfg.data.chat)
+        return [Sample(p, tokenizer.encode(row[key]) + [tokenizer.eos_ids[0]], 1.0) for p, row in zip(prompts, rows)]
     if getattr(cfg.rollout, "env", None) is None:
         return [Sample(p, r, 1.0) for p, r in encode_demonstrations(rows, tokenizer, cfg.data.chat)]
     fmt, out = ObservationFormat(tokenizer, cfg.data.chat), []
@@ -59,7 +64,13 @@ def supervised_warm_start(cfg: TrainConfig, dataset, tokenizer, params, sharding
     params. `mb_rows`: the fixed micro-batch rows of the RL update (None: the fused whole-batch step).
     `rl_spec`: the RL update's loss, whose gradient program the warm start shares where it can (`loss_spec`)."""
     w = cfg.warm_start
-    other = sorted({row["task"] for row in dataset} - set(TASKS))
+    if w.response_key is not None:
+        bad = next((row for row in dataset if not isinstance(row.get(w.response_key), str)), None)
+        if bad is not None:
+            raise SystemExit(f"warm_start.response_key={w.response_key}: a row of data.source has no string "
+                             f"{w.response_key!r} column (its prompt: {bad['prompt'][:60]!r}); every row needs its "
+                             "demonstration")
+    other = sorted({row["task"] for row in dataset} - set(TASKS)) if w.response_key is None else []
     if other:
         if is_main:
             print(f"[train] warm start skipped: it supervises the built-in tasks only, and the data has task "

@@ -1,7 +1,7 @@
 """The warm-up before the first RL step: every executable the steps will run, compiled, so the RL steps
 compile nothing (a step that compiles after warm-up is logged by name and counted in `compiles`).
 
-    n = warm_up(update, rollout, critic=..., balance=...)
+    n = warm_up(update, rollout, balance=..., components=...)
 
 What it compiles: the rollout instances' bounded step shapes (and PAT's other layouts when
 engine.adaptive_tp.warm), the update over its fixed micro-batch shape (grad, apply, log-probs; the
@@ -21,15 +21,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl.config.distill import needs_reference
 from jaxrl.rollout.executor import abstract
 from jaxrl.rollout.service import truncate_variants
 
 from . import corrections
 from .background import BackgroundCompile
 from .balance import ScaleUp
+from .components import warm_all
 from .batch import FIELDS, INT_FIELDS
 from .context import UpdateContext
-from .critic import Critic
 from .grad_stream import warm_sum
 from .rollout_kv import export_pages
 from .rollout_side import RolloutSide
@@ -61,7 +62,7 @@ def start_early(uc: UpdateContext, rs: RolloutSide, *, balance: ScaleUp | None, 
     truncate = truncate_variants(rs.sampling_params())
     jobs = [job for inst in svc.instances for job in inst.compile_jobs(truncate, cover=True)]
     if uc.updater is not None:      # (the reference `start_reference` will copy: the policy's own layout)
-        ref = pol.ref_params if pol.ref_params is not None else pol.params if cfg.algo.kl_coef else None
+        ref = pol.ref_params if pol.ref_params is not None else pol.params if needs_reference(cfg) else None
         jobs.append(_update_job(uc, ref))
     rs.background = BackgroundCompile.start(jobs, _exact_jobs(svc, truncate))
 
@@ -86,8 +87,8 @@ def _update_job(uc: UpdateContext, ref_params):
     return job
 
 
-def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balance: ScaleUp | None,
-            background: bool = False) -> int:
+def warm_up(uc: UpdateContext, rs: RolloutSide, *, balance: ScaleUp | None, background: bool = False,
+            components: dict | None = None) -> int:
     """Compile everything the RL steps run; returns how many rollout/update executables were compiled.
     `background`: the home layout's rollout instances compile only their cover shapes here, and the update's
     executables and the exact buckets go to a thread (`rs.background`, `jaxrl.train.background`; already
@@ -105,8 +106,7 @@ def warm_up(uc: UpdateContext, rs: RolloutSide, *, critic: Critic | None, balanc
             n += _update_job(uc, pol.ref_params)()
         elif not early:
             jobs.append(_update_job(uc, pol.ref_params))
-        if critic is not None:      # PPO: the value pass and the critic's update
-            n += critic.warm(mb)
+        n += warm_all(components or {}, mb, pol)    # the registered components' (PPO's critic, OPD's teacher)
         if rs.stream:        # the freed devices' gradient / reference executables
             n += rs.stream.warm(pol.params, pol.opt_state, pol.ref_params, svc=svc)
         if rs.gstream:       # the final sum's add program (plain jitted: counted by the compile counter)
