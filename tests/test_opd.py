@@ -207,3 +207,4 @@ def test_shrink_keeps_the_first_layers_and_the_tokenizer(tmp_path, teacher_dir):
     p = subprocess.run([sys.executable, "-m", "models.shrink", str(teacher_dir), str(tmp_path / "t"), "--layers", "5"],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "has 2 decoder layers" in p.stderr
+

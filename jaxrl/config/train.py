@@ -276,6 +276,7 @@ class TrainConfig(Section):
     placement: str = "colocated"         # colocated (rollout and training share devices) or disaggregated (StreamRL: own pools)
     stage_balance: StageBalanceSection = dataclasses.field(default_factory=StageBalanceSection)   # StreamRL scale-up
     steps: int = 100                     # RL steps in the run (a resume continues up to this)
+    time_budget_min: float | None = None  # stop cleanly after the RL step that passes this many minutes of RL (checkpointed; rerun to continue)
     seed: int = 0                        # data order, sampling and initial weights
     run_dir: str = "runs/quickstart"     # outputs: metrics, curves, TensorBoard, checkpoints, hf/ (--run-dir)
     save_every: int | None = 10          # None = only at the end
@@ -289,6 +290,8 @@ class TrainConfig(Section):
     def __post_init__(self):
         check_sections(self)
         check_int("steps", self.steps, minimum=0)
+        if self.time_budget_min is not None:
+            check_float("time_budget_min", self.time_budget_min, above=0.0)
         check_int("seed", self.seed, minimum=0)
         check_str("run_dir", self.run_dir)
         if self.save_every is not None:

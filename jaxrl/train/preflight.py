@@ -44,7 +44,7 @@ from .distributed import launch
 
 # Keys that may change between a run and its resume: how long it runs, how often it saves, what it
 # records, where the processes meet. Everything else changes the training itself.
-RUN_LENGTH_KEYS = ("steps", "save_every", "keep_checkpoints", "profile_steps", "export_hf", "curves", "run_dir",
+RUN_LENGTH_KEYS = ("steps", "time_budget_min", "save_every", "keep_checkpoints", "profile_steps", "export_hf", "curves", "run_dir",
                    "distributed", "rewards.num_workers", "log_completions",
                    # what a run evaluates and when (eval.split is not here: it takes rows out of training)
                    *(f"eval.{k}" for k in ("data", "every", "at_start", "at_end", "samples", "temperature", "pass_k",

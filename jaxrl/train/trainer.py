@@ -45,7 +45,7 @@ from .checkpoint import CheckpointManager
 from .components import Parts, build_components, start_all
 from .context import Policy, UpdateContext
 from .curves import draw_run_curves
-from .distributed import global_sum
+from .distributed import global_max, global_sum
 from .grad_stream import GradientStream
 from .metrics import MetricsLogger, Profiler
 from .optim import init_state, make_optimizer
@@ -83,6 +83,14 @@ def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
                          f"({jax.local_device_count()} device(s) in each of {jax.process_count()}); tp must divide "
                          "a process's devices")
     return jax.devices(), jax.local_devices()
+
+
+def out_of_time(budget_min: float | None, started: float) -> bool:
+    """Whether `time_budget_min` has passed since RL started, as every process agrees (the longest clock decides,
+    so all stop after the same step)."""
+    if budget_min is None:
+        return False
+    return bool(global_max(int(time.monotonic() - started > 60.0 * budget_min)))
 
 
 class Trainer:
@@ -282,9 +290,9 @@ class Trainer:
             if not self.resumed and self.step == 0:
                 self._save()
             self.warm_up()
-            first_step = self.step
+            first_step, started, stopped = self.step, time.monotonic(), False
             bar = tqdm(total=cfg.steps, initial=self.step, desc="rl", disable=not self.is_main)
-            while self.step < cfg.steps:
+            while self.step < cfg.steps and not stopped:
                 evaluated = self.evaluate()
                 self.profiler.maybe_start(self.step)
                 m = self.rl_step()
@@ -300,10 +308,14 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=f"{m['response_len_mean']:.1f}")
                 self.step += 1
-                if (cfg.save_every is not None and self.step % cfg.save_every == 0) or self.step == cfg.steps:
+                stopped = self.step < cfg.steps and out_of_time(cfg.time_budget_min, started)
+                if (cfg.save_every is not None and self.step % cfg.save_every == 0) or self.step == cfg.steps or stopped:
                     self._save()
             bar.close()
-            final = self.evaluate()        # after the last update: a row of its own (step = steps)
+            if stopped and self.is_main:
+                print(f"[train] time_budget_min={cfg.time_budget_min} spent after RL step {self.step} of steps="
+                      f"{cfg.steps}: checkpoint {self.step} saved; the same command continues from it", flush=True)
+            final = self.evaluate(force=stopped)   # after the last update: a row of its own (step = steps)
             if final:
                 self.metrics.log(self.step, final)
             if cfg.export_hf:
@@ -321,9 +333,10 @@ class Trainer:
                 draw_run_curves(self.run_dir)
         return history
 
-    def evaluate(self) -> dict:
-        """The held-out evaluation due before RL step `self.step` (`jaxrl.eval.periodic`): its eval/ metrics, or {}."""
-        if self.evaluator is None or not self.evaluator.due(self.step):
+    def evaluate(self, force: bool = False) -> dict:
+        """The held-out evaluation due before RL step `self.step` (`jaxrl.eval.periodic`; `force`: the last one of a
+        run its time budget stopped): its eval/ metrics, or {}."""
+        if self.evaluator is None or not (force or self.evaluator.due(self.step)):
             return {}
         waited = 0.0
         if self.rollout.background is not None:
