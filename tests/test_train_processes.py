@@ -15,8 +15,8 @@ import pytest
 
 from jaxrl.train import balance
 from tests.train_runs import (COMMON, ECHO_TURNS, MODES, PARAM_ATOL_F32, POOLS, PPO, PPO_DEVICES, ROLLOUT_KEYS, ROOT,
-                              TAIL, TAIL_KINDS, TINY, WARM_SKEW, _checkpoint_leaves, _env, _metrics, _one_process,
-                              _params, _train, layout, log_tail)
+                              TAIL, TAIL_KINDS, TINY, WARM_SKEW, _checkpoint_leaves, _env, _finished, _metrics,
+                              _one_process, _params, _server, _train, layout, log_tail)
 
 
 # Settings of the N-process run only. stream_kv_two warms up (every bucket compiled ahead, its local K/V gather
@@ -214,11 +214,12 @@ def test_all_mechanisms_recipes_run(tmp_path):
     procs = [recipe(two, **out),
              subprocess.Popen([sys.executable, "-m", "jaxrl.train", "--config", str(ROOT / "configs" /
                                "all_mechanisms_async.yaml"), f"run_dir={asy}", *small, "save_every=null"],
-                              cwd=ROOT, env=_env(), text=True, **out),
-             subprocess.Popen([sys.executable, "-m", "jaxrl.train", "--config", str(ROOT / "configs" /
-                               "all_mechanisms.yaml"), f"run_dir={one}", *small, "save_every=null",
-                               "distributed.num_processes=1", "engine.instances=4"],
                               cwd=ROOT, env=_env(), text=True, **out)]
+    # the 1-process run in this worker's 4-device run server (no process start of its own), alongside the others
+    one_args = ["--config", str(ROOT / "configs" / "all_mechanisms.yaml"), f"run_dir={one}", *small, "save_every=null",
+                "distributed.num_processes=1", "engine.instances=4"]
+    one_server = _server(one_args)
+    one_server.send(one_args)
     victim = recipe(killed, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 900
     while not (killed / "checkpoints" / "2").exists():
@@ -229,6 +230,7 @@ def test_all_mechanisms_recipes_run(tmp_path):
     for p in procs:
         log = p.communicate(timeout=900)[0]
         assert p.returncode == 0, log_tail(log)
+    _finished(one_server.receive(900))
     resumed = recipe(killed, **out)
     log = resumed.communicate(timeout=900)[0]
     assert resumed.returncode == 0 and "resumed" in log, log_tail(log)

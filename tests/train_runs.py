@@ -56,14 +56,15 @@ class Finished:
 
 
 def _devices(args) -> int | None:
-    """The devices a run of `args` (TINY included) uses in its process; None for a run with `--` flags."""
+    """The devices a run of `args` (TINY included) uses in its process; None for a run with `--` flags other
+    than `--config FILE`."""
     from jaxrl.config import CONFIGS_DIR, load_config
     from jaxrl.config.train import TrainConfig
     from jaxrl.train.__main__ import _flags, local_devices
 
     argv, _ = _flags(list(args))
-    if any(a.startswith("--") for a in argv):
-        return None
+    if any(a.startswith("--") and a != "--config" and not a.startswith("--config=") for a in argv):
+        return None                         # (--config FILE: load_config reads it, as main() does)
     return local_devices(load_config(TrainConfig, argv, CONFIGS_DIR / "quickstart.yaml"))
 
 
@@ -237,12 +238,20 @@ SKEW = ["rollout.skew.enabled=true", "engine.instances=4", "train_layout.fsdp=4"
 
 
 def kill_and_resume(full, killed, args, env=None):
-    """`args` run uninterrupted in `full` and, alongside (two processes: both cores compile), in `killed`, which
-    is killed (SIGKILL) once checkpoint 2 exists and then resumed by the same command: the final weights must
-    be bit-identical. `env`: environment variables added for all three."""
+    """`args` run uninterrupted in `full` and, alongside (both cores compile), in `killed`, a process of its own,
+    which is killed (SIGKILL) once checkpoint 2 exists and then resumed by the same command: the final weights
+    must be bit-identical. `env`: environment variables added for all three. The uninterrupted run and then the
+    resume run in the run server for the run's device count (`run_main`: the same device count and flags as a
+    process of its own), so the resume finds every program traced and loaded by the uninterrupted run instead
+    of starting a server that imports, traces and loads them again (test_train_resume.py, empty cache, alone:
+    141 -> 108 CPU-s)."""
     env = {**_env(), **(env or {})}
-    whole = subprocess.Popen(_command(full, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    whole = _server(_command(full, *args)[3:], env)
+    if whole is not None:
+        whole.send(_command(full, *args)[3:])
+    else:
+        whole = subprocess.Popen(_command(full, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
     p = subprocess.Popen(_command(killed, *args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
@@ -251,8 +260,11 @@ def kill_and_resume(full, killed, args, env=None):
         time.sleep(0.2)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    log = whole.communicate(timeout=600)[0]
-    assert whole.returncode == 0, log[-3000:]
+    if isinstance(whole, subprocess.Popen):
+        log = whole.communicate(timeout=600)[0]
+        assert whole.returncode == 0, log[-3000:]
+    else:
+        _finished(whole.receive(600))
     assert not (killed / "hf").exists()
     out = _train_subprocess(killed, *args, env=env)     # (as the twin ran: same device count)
     assert "resumed" in out.stdout + out.stderr
@@ -272,7 +284,7 @@ WARM_SKEW = ["rollout.skew.enabled=true", "rollout.skew.ranker.train_steps=20", 
 # PPO (the `ppo` graph): a critic, GAE, the KL to the reference in the token rewards (node reward_kl), and a
 # dense reward (the tiny policy's 0/1 rewards would be ~all 0: advantages of float noise). Step 0 has no KL
 # yet (policy == reference) and the critic's first values are 0, so step 2 is the first where all of it is
-# live. The 1-process runs save every step: test_ppo_resume_restores_the_critic resumes from checkpoint 2.
+# live. Its 1-process run saves every step: test_ppo_resume_restores_the_critic resumes from checkpoint 2.
 PPO = ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "steps=3",
        "rewards.fn=tests.dense_reward:score"]
 # RollPacker's stream trainer with a reference (its copy on the freed devices is the collective kind)
@@ -325,7 +337,10 @@ def _one_process(tmp_path_factory, extra, devices):
     key = tuple(COMMON + [x for x in extra if x != "trainer.repartition=tokens"] + layout(devices))
     if key not in _ONE_PROCESS_RUNS:
         _ONE_PROCESS_RUNS[key] = tmp_path_factory.mktemp("one")
-        _train(_ONE_PROCESS_RUNS[key], *key, "save_every=1")
+        # every step saved only for PPO's run (test_ppo_resume_restores_the_critic resumes from its checkpoint 2);
+        # the others keep COMMON's final checkpoint alone (each save: orbax's threads, a few tenths of a CPU-s)
+        saves = ["save_every=1"] if set(PPO) <= set(extra) else []
+        _train(_ONE_PROCESS_RUNS[key], *key, *saves)
     return _ONE_PROCESS_RUNS[key]
 
 
