@@ -9,7 +9,9 @@
         student_logp: rollout   # the student's log-probs: the engine's (rollout) or the trainer's forward (trainer)
     teacher:
       hf_path: DIR              # an HF checkpoint sharing the student's tokenizer (null: the reference policy)
-      layout: null              # the teacher's own sharding layout over the train devices (null: train_layout)
+      layout: null              # its own sharding layout (null: train_layout's; with placement=pool: fsdp over the pool)
+      placement: colocated      # colocated (the train devices) or pool (`devices` of each process's own)
+      devices: 0                # placement=pool: the teacher's devices on each process, beside the run's others
 
 `check_distill(cfg)` refuses, naming the key, what the teacher cannot run with; the refusals between
 mechanisms are declared in `jaxrl.config.declarations` (`token_scores`).
@@ -20,14 +22,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from .base import ConfigError, Section, check_choice, check_float, check_str
+from .base import ConfigError, Section, check_choice, check_float, check_int, check_str
 from .sections import LayoutSection
 
 if TYPE_CHECKING:
     from .train import TrainConfig
 
 STUDENT_LOGP = ("rollout", "trainer")
-PLACEMENTS = ("colocated",)
+PLACEMENTS = ("colocated", "pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +59,24 @@ class TeacherSection(Section):
     """The teacher of algo.advantage=opd: a frozen model whose per-token log-probs of the student's sampled
     tokens make the advantage. `hf_path`: an HF directory whose tokenizer equals the student's (any
     architecture of the Llama/Qwen families; checked at start-up); null = the run's reference policy (with
-    LoRA the student's own base, else the weights RL starts from). `layout`: its own dp x fsdp x tp layout
-    over the train devices (null: train_layout's); `placement`: colocated (on the train devices, between
-    the rollout and the update). Simplified: a pool of its own devices is not built yet."""
+    LoRA the student's own base, else the weights RL starts from). `placement`: colocated (on the train
+    devices, sharded by `layout`, default train_layout's) or pool (on `devices` devices of its own on each
+    process, beside the train mesh and the rollout instances, as StreamRL's train pool is beside its generation
+    pool; sharded by `layout`, default fsdp over the pool). Simplified: a pool is built beside colocated
+    training only (not beside placement=disaggregated's two pools yet)."""
 
     hf_path: str | None = None           # HF checkpoint sharing the student's tokenizer (null: the reference policy)
-    layout: LayoutSection | None = None  # its own sharding layout over the train devices (null: train_layout)
-    placement: str = "colocated"         # colocated: on the train devices (a pool of its own: not built yet)
+    layout: LayoutSection | None = None  # its own sharding layout (null: train_layout's; pool: fsdp over the pool)
+    placement: str = "colocated"         # colocated (the train devices) or pool (`devices` of its own per process)
+    devices: int = 0                     # placement=pool: the teacher's own devices on each process
 
     def __post_init__(self):
         check_str("hf_path", self.hf_path, allow_none=True)
         check_choice("placement", self.placement, PLACEMENTS)
+        check_int("devices", self.devices, minimum=0)
+        if (self.placement == "pool") != (self.devices > 0):
+            raise ConfigError("devices", f"{self.devices} with placement={self.placement}: a pool needs devices >= 1, "
+                              "and only a pool has devices of its own")
 
 
 def check_distill(cfg: "TrainConfig") -> None:
@@ -82,6 +91,14 @@ def check_distill(cfg: "TrainConfig") -> None:
     if cfg.trainer.micro_batch_tokens is None:
         raise ConfigError("trainer.micro_batch_tokens", "null with algo.advantage=opd: the teacher scores the "
                           "update's fixed micro-batches; set a token budget (e.g. 2048)")
+    if t.placement == "pool":
+        if t.hf_path is None:
+            raise ConfigError("teacher.placement", "pool with teacher.hf_path=null: the reference teacher is the "
+                              "student's own weights, on the train devices; give a teacher checkpoint to pool")
+        if cfg.placement != "colocated":
+            raise ConfigError("teacher.placement", f"pool with placement={cfg.placement}: a teacher pool beside "
+                              "StreamRL's two pools is not built yet; use teacher.placement=colocated")
+        return
     if t.layout is not None and t.layout.num_devices != cfg.train_layout.num_devices:
         raise ConfigError("teacher.layout", f"{t.layout.num_devices} devices, but the teacher runs on the train "
                           f"layout's {cfg.train_layout.num_devices}: give dp x fsdp x tp = "
@@ -92,3 +109,8 @@ def needs_reference(cfg: "TrainConfig") -> bool:
     """Whether the run holds a reference policy: the KL term's (algo.kl_coef), or the teacher when
     teacher.hf_path is null (with LoRA the base; else a copy of the weights RL starts from, checkpointed)."""
     return bool(cfg.algo.kl_coef) or (cfg.algo.advantage == "opd" and cfg.teacher.hf_path is None)
+
+
+def teacher_devices(cfg: "TrainConfig") -> int:
+    """The devices each process gives the teacher's pool (0: none; teacher.placement=pool)."""
+    return cfg.teacher.devices if cfg.algo.advantage == "opd" and cfg.teacher.placement == "pool" else 0

@@ -58,16 +58,19 @@ def _flags(argv: list[str]) -> tuple[list[str], str]:
 
 def local_devices(cfg: TrainConfig, n_proc: int | None = None) -> int:
     """The devices each process of the run uses: the rollout instances' (colocated: shared with its part of
-    the train mesh), or StreamRL's generation pool (+ spare groups) beside its part of the train pool.
+    the train mesh), or StreamRL's generation pool (+ spare groups) beside its part of the train pool; with
+    teacher.placement=pool, the teacher's own devices beside them.
     `n_proc`: the run's processes (default: as many as its settings or its launcher say, `distributed.launch`)."""
     from jaxrl.train.distributed import launch
+
+    from jaxrl.config.distill import teacher_devices
 
     if n_proc is None:
         n_proc = launch(cfg.distributed).processes or 1
     if cfg.placement == "disaggregated":
         gen = cfg.engine.tp * (cfg.stage_balance.max_instances or cfg.engine.instances)
         return gen + cfg.train_layout.num_devices // n_proc
-    return max(cfg.engine.tp * cfg.engine.instances, cfg.train_layout.num_devices // n_proc)
+    return max(cfg.engine.tp * cfg.engine.instances, cfg.train_layout.num_devices // n_proc) + teacher_devices(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,14 @@ BUILTIN = ("jaxrl.train.teacher", "jaxrl.train.critic")
 class Parts:
     """What a component may use when it is built (never the trainer): the student's model config and
     tokenizer source, the update side (train mesh, loss spec, micro-batch shape, policy), the devices the
-    train mesh spans, the run's seed and parameter dtype."""
+    train mesh spans and the devices reserved for components (teacher.placement=pool's; else none), the run's
+    seed and parameter dtype."""
 
     model_cfg: Any
     tokenizer_source: str
     update: UpdateContext
     train_devices: list
+    reserved_devices: list
     seed: int
     dtype: Any
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from jaxrl.config.distill import teacher_devices
 from jaxrl.config.train import WHOLE_BATCH_ADVANTAGES, TrainConfig
 from jaxrl.eval.periodic import PeriodicEval
 from jaxrl.flow import Flow, SampleBuffer, StepData, TrainContext
@@ -63,9 +64,13 @@ from .warm_up import start_early, warm_up
 log = logging.getLogger("jaxrl.train")
 
 
-def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
-    """(train devices, this process's generation devices): all of them shared (colocated), or StreamRL's
-    disjoint pools (placement=disaggregated: the generation pool with the scale-up's spare instances)."""
+def _devices(cfg: TrainConfig, layout) -> tuple[list, list, list]:
+    """(train devices, this process's generation devices, the devices reserved for components): all of them
+    shared (colocated), or StreamRL's disjoint pools (placement=disaggregated: the generation pool with the
+    scale-up's spare instances); teacher.placement=pool reserves the last teacher.devices of each process."""
+    k = teacher_devices(cfg)
+    reserved = [d for p in range(jax.process_count())
+                for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[-k:]] if k else []
     if cfg.placement == "disaggregated":
         sb, e = cfg.stage_balance, cfg.engine
         spare = ((sb.max_instances or e.instances) - e.instances) * e.tp
@@ -74,15 +79,18 @@ def _devices(cfg: TrainConfig, layout) -> tuple[list, list]:
                                               spare_per_process=spare)
         except ValueError as err:
             raise SystemExit(str(err)) from None
-        return train, gen + spare
-    if layout.size != jax.device_count():
-        raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; "
-                         f"{jax.device_count()} are visible over {jax.process_count()} process(es)")
-    if jax.local_device_count() % layout.tp:     # (each process's batch rows are its own: replicated over tp)
+        return train, gen + spare, reserved
+    shared = [d for d in jax.devices() if d not in reserved]
+    local = [d for d in jax.local_devices() if d not in reserved]
+    pool = f" (and {k} per process for the teacher's pool)" if k else ""
+    if layout.size != len(shared):
+        raise SystemExit(f"train_layout {layout.name} needs {layout.size} devices; {len(shared)} are visible over "
+                         f"{jax.process_count()} process(es){pool}")
+    if len(local) % layout.tp:     # (each process's batch rows are its own: replicated over tp)
         raise SystemExit(f"train_layout {layout.name}: a tp group of {layout.tp} devices would span processes "
-                         f"({jax.local_device_count()} device(s) in each of {jax.process_count()}); tp must divide "
+                         f"({len(local)} device(s) in each of {jax.process_count()}{pool}); tp must divide "
                          "a process's devices")
-    return jax.devices(), jax.local_devices()
+    return shared, local, reserved
 
 
 def out_of_time(budget_min: float | None, started: float) -> bool:
@@ -117,7 +125,7 @@ class Trainer:
         with startup_errors(self.pool, prefix="rollout.env: "):   # multi-turn: environments stepped in the pool
             turns = MultiTurn.from_config(cfg, self.tokenizer, self.pool, self.dataset)
         layout = cfg.train_layout.build()
-        train_devices, gen_devices = _devices(cfg, layout)
+        train_devices, gen_devices, reserved = _devices(cfg, layout)
         mesh = layout.make_mesh(train_devices)
         vocab = padded_vocab_for(model_cfg, layout)     # vocab rows padded to a multiple of tp
         shardings = shardings_for(logical_axes(model_cfg, vocab_size=vocab), mesh, ShardingRules.train(model_cfg, layout))
@@ -127,7 +135,7 @@ class Trainer:
         policy = Policy(params, init_state(tx, params, shardings, mesh), save_base=cfg.warm_start.steps > 0)
         uc = UpdateContext.build(cfg, model_cfg, mesh, shardings, policy, tx, dtype)
         with startup_errors(self.pool):     # the registered components that are on (PPO's critic, OPD's teacher)
-            components = build_components(cfg, Parts(model_cfg, source, uc, train_devices, cfg.seed, dtype))
+            components = build_components(cfg, Parts(model_cfg, source, uc, train_devices, reserved, cfg.seed, dtype))
         # Global params: every process's instances get their copies by an on-device reshard (no host trip).
         svc = RolloutService.from_config(cfg.engine, model_cfg, params, devices=gen_devices,
                                          order="lpt" if cfg.rollout.skew.enabled and cfg.rollout.skew.lpt else "fcfs",
