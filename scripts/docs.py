@@ -507,6 +507,7 @@ _load_module("docs_e2e", ROOT / "scripts" / "docs_e2e.py").register(renders, loa
                                                                     per_machine)
 _load_module("docs_real_model", ROOT / "scripts" / "docs_real_model.py").register(renders, load, table, footer,
                                                                                  lambda: RESULTS)
+_load_module("docs_opd", ROOT / "scripts" / "docs_opd.py").register(renders, load, table, footer, lambda: RESULTS)
 _load_module("docs_sim", ROOT / "scripts" / "docs_sim.py").register(renders, load, table, footer, machine, _load_module)
 _load_module("docs_config", ROOT / "scripts" / "docs_config.py").register(renders)       # docs/config.md
 

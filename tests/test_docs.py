@@ -166,6 +166,7 @@ MEASURES = {
     "sim_fit.json": ("jaxrl/sim",),
     "bench_sim_validation.json": ("jaxrl/sim", "jaxrl/rollout", "models"),
     "composition.json": ("jaxrl/config",),
+    "bench_opd.json": _WHOLE,
 }
 
 # Rendered blocks older than STALE_AFTER commits to what they measure when this check was added (the count then

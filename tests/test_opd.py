@@ -212,3 +212,25 @@ def test_shrink_keeps_the_first_layers_and_the_tokenizer(tmp_path, teacher_dir):
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "has 2 decoder layers" in p.stderr
 
+
+
+@pytest.mark.parametrize("args, key", [
+    (["teacher.hf_path=x"], "teacher"),                                          # a teacher without opd
+    (["algo.advantage=opd", "trainer.micro_batch_tokens=null"], "trainer.micro_batch_tokens"),
+    (["algo.advantage=opd", "trainer.stream.enabled=true"], "trainer.stream.enabled"),
+    (["algo.advantage=opd", "algo.opd.student_logp=trainer", "placement=disaggregated", "trainer.max_staleness=1"],
+     "algo.opd.student_logp"),
+    (["algo.advantage=opd", "teacher.placement=pool", "teacher.devices=1"], "teacher.placement"),   # reference
+    (["algo.advantage=opd", "teacher.hf_path=x", "teacher.placement=pool", "teacher.devices=1",
+      "placement=disaggregated"], "teacher.placement"),
+    (["algo.advantage=opd", "teacher.devices=2"], "teacher.devices"),
+    (["algo.advantage=opd", "teacher.layout.fsdp=2"], "teacher.layout"),          # 2 devices for a 1-device layout
+    (["algo.advantage=opd", "algo.opd.kl_clip=0"], "algo.opd.kl_clip"),
+])
+def test_config_refusals_name_the_key(args, key):
+    from jaxrl.config import CONFIGS_DIR, ConfigError, load_config
+    from jaxrl.config.train import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, args, CONFIGS_DIR / "quickstart.yaml")
+    assert e.value.key == key, e.value

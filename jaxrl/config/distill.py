@@ -84,7 +84,7 @@ def check_distill(cfg: "TrainConfig") -> None:
     micro-batches; a teacher section without OPD is a mistake; its layout covers the train devices."""
     a, t = cfg.algo, cfg.teacher
     if a.advantage != "opd":
-        if t.hf_path is not None or t.layout is not None:
+        if t.hf_path is not None or t.layout is not None or t.placement != "colocated":
             raise ConfigError("teacher", f"a teacher is used by algo.advantage=opd only (algo.advantage="
                               f"{a.advantage}); set algo.advantage=opd or drop the teacher section")
         return
