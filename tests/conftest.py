@@ -59,7 +59,7 @@ import pytest  # noqa: E402
 # The slowest files (scripts/results/suite_time.json's by_file_s), longest first: handed out first, so that no
 # long file starts last and leaves one worker idle at the end. Only an order: a file not listed runs later.
 LONGEST_FIRST = ["test_train_e2e.py", "test_train_processes.py", "test_train_pools.py", "test_blockwise.py",
-                 "test_lora_mechanisms.py", "test_train_resume.py", "test_tp_switch.py", "test_lora.py",
+                 "test_lora_mechanisms.py", "test_train_resume.py", "test_opd.py", "test_tp_switch.py", "test_lora.py",
                  "test_train_step.py", "test_smollm2.py", "test_bench_adaptive_tp.py", "test_forward_block.py",
                  "test_rollout.py", "test_movable_state.py", "test_vocab_padding.py",
                  "test_sim_engine.py", "test_gpu_check.py", "test_cuda_export.py", "test_bench_lora.py", "test_pat_processes.py",
