@@ -188,10 +188,6 @@ LEGACY_STALE = {
     "bench_train.json",                   # 34
     "bench_train_memory.json",            # 64
     "bench_warm_start.json",              # 35
-    "lora_quickstart.json",               # 43
-    "multiturn.json",                     # 78
-    "ppo_quickstart.json",                # 43
-    "quickstart.json",                    # 43
 }
 ALLOW_LISTS_AT = "de8f5b5957077ca9974e311d0f2e7bbd02b1c588"   # HEAD when the lists were written
 
