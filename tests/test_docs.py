@@ -132,7 +132,6 @@ LEGACY_UNRECORDED = {
     "bench_sim_cluster.json": ("machine",),            # ~10 min (simulated: no figure depends on the machine)
     "bench_sim_validation.json": ("machine",),         # ~30 min (real engine against the simulator)
     "bench_tail_batching.json": ("machine",),          # ~30 min
-    "bench_train_memory.json": ("machine",),           # ~5 min (compiled memory only)
 }
 
 # The modules each result measures: a block is stale once more than STALE_AFTER commits touched them since the
@@ -186,7 +185,6 @@ LEGACY_STALE = {
     "bench_recipes.json",                 # 87
     "bench_sim_validation.json",          # 42
     "bench_train.json",                   # 34
-    "bench_train_memory.json",            # 64
     "bench_warm_start.json",              # 35
 }
 ALLOW_LISTS_AT = "de8f5b5957077ca9974e311d0f2e7bbd02b1c588"   # HEAD when the lists were written
