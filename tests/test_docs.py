@@ -180,7 +180,6 @@ LEGACY_STALE = {
     "bench_e2e_xeon.json",                # 43
     "bench_lora.json",                    # 52
     "bench_lpt.json",                     # 54
-    "bench_multiturn.json",               # 32
     "bench_pipeline.json",                # 130
     "bench_recipes.json",                 # 87
     "bench_sim_validation.json",          # 42
