@@ -127,7 +127,6 @@ LEGACY_UNRECORDED = {
     "bench_logprobs.json": ("machine",),               # ~1 min (compiled temp bytes)
     "bench_logprobs_f32.json": ("machine",),           # ~1 min (compiled temp bytes)
     "bench_lora.json": ("machine",),                   # ~20 min
-    "bench_lpt.json": ("machine",),                    # ~10 min ("x86_64" only)
     "bench_pipeline.json": ("machine",),               # ~30 min (three 4-step trainer runs on 8 fake devices)
     "bench_sim_cluster.json": ("machine",),            # ~10 min (simulated: no figure depends on the machine)
     "bench_sim_validation.json": ("machine",),         # ~30 min (real engine against the simulator)
@@ -179,7 +178,6 @@ LEGACY_STALE = {
     "bench_cold_start_xeon.json",         # 43
     "bench_e2e_xeon.json",                # 43
     "bench_lora.json",                    # 52
-    "bench_lpt.json",                     # 54
     "bench_pipeline.json",                # 130
     "bench_recipes.json",                 # 87
     "bench_sim_validation.json",          # 42
