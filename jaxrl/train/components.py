@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
+from jaxrl.config.declarations import value_at
 from jaxrl.config.train import TrainConfig
 
 from .context import UpdateContext
@@ -71,17 +72,11 @@ def register(name: str, *, section: str, active: Callable[[TrainConfig], bool]):
     return deco
 
 
-def section_of(cfg: TrainConfig, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def build_components(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:
     """Every registered component `cfg` turns on, built from its section, in registration order."""
     for module in BUILTIN:
         importlib.import_module(module)
-    return {r.name: r.build(section_of(cfg, r.section), parts) for r in REGISTRY.values() if r.active(cfg)}
+    return {r.name: r.build(value_at(cfg, r.section), parts) for r in REGISTRY.values() if r.active(cfg)}
 
 
 def start_all(components: dict[str, Any], policy) -> None:
