@@ -13,7 +13,9 @@ CPU, float32, generation by `transformers.generate` (no vLLM). How the settings 
   token-mean loss           -> loss_type "dapo" (sum over the batch's completion tokens / their count)
   advantages                -> scale_rewards "group": (r - group mean) / (group std + 1e-4); TRL's std is unbiased
   optimizer                 -> adamw_torch, lr constant, no warmup, weight_decay 0, max_grad_norm 1, eps 1e-8
-Prompts are plain text used as-is (TRL's non-conversational "prompt" column: no chat template).
+Prompts are plain text used as-is (TRL's non-conversational "prompt" column: no chat template); with `--chat`
+each is one user message (TRL's conversational column: the tokenizer's chat template with the generation
+prompt, as jaxrl's data.chat=true), and the reward reads the assistant message's text.
 
 Timing: TRL generates inside `training_step -> _prepare_inputs -> _generate_and_score_completions -> _generate ->
 _generate_single_turn` (the `model.generate` call), i.e. between the Trainer's `on_step_begin` and `on_step_end`
@@ -175,6 +177,7 @@ def main() -> None:
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chat", action="store_true", help="prompts as one user message each (the chat template)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -182,14 +185,16 @@ def main() -> None:
     recorder = Recorder()
 
     def reward(completions: list[str], answer: list[str], task: list[str], **_: Any) -> list[float]:
-        out = [float(fn(c, ans, t)) for c, ans, t in zip(completions, answer, task, strict=True)]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]   # conversational: messages
+        out = [float(fn(c, ans, t)) for c, ans, t in zip(texts, answer, task, strict=True)]
         recorder.rewards += out
         return out
 
     reward.__name__ = getattr(fn, "__name__", "reward")
 
     rows = [json.loads(line) for line in Path(a.prompts).read_text().splitlines() if line.strip()]
-    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"], "task": r["task"]}
+    prompt = (lambda p: [{"role": "user", "content": p}]) if a.chat else (lambda p: p)
+    dataset = datasets.Dataset.from_list([{"prompt": prompt(r["prompt"]), "answer": r["answer"], "task": r["task"]}
                                           for r in rows])
     tokenizer = AutoTokenizer.from_pretrained(a.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)

@@ -21,6 +21,13 @@ systems sample from the same distribution (bench_e2e.json records each side's me
 Prompts: `PROMPT_LEN` words each, drawn from the vocabulary (no chat template: data.chat=false and TRL's
 plain "prompt" column). Reward: the share of the response's words whose index is even (`reward`), dense in
 [0, 1], the same text function for both.
+
+**The real model** (`build_real`, workload "smollm2"): SmolLM2-135M-Instruct as a float32 HF directory
+(`python -m models.fetch smollm2-135m-instruct`, cached; `checkpoints/smollm2-135m-instruct` is reused when
+it is there), the built-in `arith` task's chat prompts ("What is 23 + 48?", rendered with the model's chat
+template by both systems: data.chat=true, and TRL's conversational "prompt" column) and its reward (1 when
+the last integer of the response is the sum), written out as a text function so TRL's process loads it
+without importing jaxrl.
 """
 
 from __future__ import annotations
@@ -54,6 +61,22 @@ index is even. jaxrl calls reward(response, answer, task); TRL through bench_e2e
 def reward(response, answer, task):
     words = [w for w in response.split() if w.startswith("w") and w[1:].isdigit()]
     return sum(int(w[1:]) % 2 == 0 for w in words) / len(words) if words else 0.0
+'''
+
+
+REAL_MODEL = "smollm2-135m-instruct"
+REAL_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / REAL_MODEL
+REAL_REWARD_MODULE = r'''"""bench_e2e's real-model reward (written by scripts/bench_e2e_workload.py): 1 when the last integer of
+the response (thousands commas allowed) is the answer, else 0: jaxrl.data.tasks.final_number_score (the
+`arith` task's score), copied so that TRL's process need not import jaxrl."""
+import re
+
+_INT = re.compile(r"-?\d[\d,]*")
+
+
+def reward(response, answer, task):
+    found = _INT.findall(response)
+    return float(bool(found) and found[-1].replace(",", "") == answer.strip())
 '''
 
 
@@ -117,3 +140,23 @@ def build(directory: Path, model: str, *, seed: int = 0) -> dict:
     (directory / "e2e_reward.py").write_text(REWARD_MODULE)
     stamp.write_text(json.dumps({"model": model, "seed": seed}))
     return paths
+
+
+def build_real(directory: Path, *, examples: int = 256, seed: int = 0) -> dict:
+    """The real-model workload under `directory` (module docstring): the converted SmolLM2 directory, the
+    `arith` prompts (JSONL: prompt, answer, task) and the reward module. Returns their paths, the model's
+    config and the chat-rendered prompts' mean and longest token counts (the FLOP count's prompt length)."""
+    from jaxrl.data.tasks import make_suite
+    from models import config_from_hf
+    from models.fetch import fetch
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = fetch(REAL_MODEL, REAL_CHECKPOINT, progress=True)      # idempotent: a complete directory is kept
+    rows = [{"prompt": ex.prompt, "answer": ex.answer, "task": ex.task} for ex in make_suite(["arith"], examples, seed)]
+    paths = {"model": model, "prompts": directory / "prompts.jsonl", "reward": f"{directory / 'e2e_reward.py'}:reward"}
+    paths["prompts"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (directory / "e2e_reward.py").write_text(REAL_REWARD_MODULE)
+    tok = load_tokenizer(model)
+    lens = [len(tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}]))) for r in rows]
+    return dict(paths, cfg=config_from_hf(model), prompt_len=float(np.mean(lens)), prompt_len_max=max(lens))

@@ -5,12 +5,17 @@ quickstart's cold start, from bench_cold_start.json, and its second run, from be
 from __future__ import annotations
 
 E2E = "bench_e2e.json"
+REAL = "bench_real_e2e.json"
+PROFILE = "bench_real_profile.json"
 COLD = "bench_cold_start.json"
 WARM = "bench_warm_start.json"
 # The end-to-end issue's targets: the long tail's step against TRL's, the 58M step's fraction of the machine's
 # float32 peak, and a whole 7-step run (cold compilation cache) against TRL's.
 TARGETS = {"3.2m": {"step_ratio": 0.5}, "58m": {"peak_fraction": 0.75}, "process_ratio_cold": 1.0,
            "first_step_s": 20.0}     # the quickstart's first RL step, from its start on a cold cache
+# The real-model issue's targets (SmolLM2-135M-Instruct, scripts/bench_e2e.py --real).
+REAL_TARGETS = {"step_ratio": 0.5, "process_ratio_cold": 1.0, "first_step_s": 60.0, "train_fraction": 0.70,
+                "decode_roofline_ratio": 1.5}
 
 
 def register(renders, load, table, footer, results_dir, machines):
@@ -83,10 +88,104 @@ def register(renders, load, table, footer, results_dir, machines):
         d = load(E2E)
         parts = [f"{name.upper()} (≤ {w['max_new']} new tokens): step **{w['step_ratio']:.2f}×** TRL's, a whole cold "
                  f"{d['hyper']['steps']}-step run {w['process_ratio_cold']:.2f}×" for name, w in d["workloads"].items()]
+        files = [E2E]
+        if (results_dir() / REAL).exists():
+            r = load(REAL)["workloads"]["smollm2"]
+            parts.append(f"the real model, SmolLM2-135M-Instruct (≤ {r['max_new']} new tokens): step "
+                         f"**{r['step_ratio']:.2f}×**, a whole cold {r['hyper']['steps']}-step run "
+                         f"{r['process_ratio_cold']:.2f}× ([real model](docs/benchmarks.md#the-real-model-against-trl))")
+            files.append(REAL)
         return ("Against TRL 1.16's `GRPOTrainer` on the same HF weights, prompts and reward ([docs/benchmarks.md]"
                 "(docs/benchmarks.md#end-to-end-against-trl), `scripts/bench_e2e.py`): " + "; ".join(parts) + ". "
-                + footer(E2E))
+                + footer(*files))
 
+
+    @renders("e2e-real")
+    def e2e_real() -> str:
+        """docs/benchmarks.md: the real model against TRL, and the issue's targets (scripts/bench_e2e.py --real)."""
+        if not (results_dir() / REAL).exists():
+            return ("**Not measured yet:** `scripts/venv.sh python scripts/bench_e2e.py --real`, then "
+                    "`scripts/venv.sh python scripts/docs.py`.")
+        d = load(REAL)
+        w = d["workloads"]["smollm2"]
+        h, lim, runs = w["hyper"], w["limits"], w["runs"]
+        med = lambda xs: sorted(xs)[len(xs) // 2]                              # noqa: E731
+        first = lambda rs: f"{rs[0]['first_step_done_s']:.0f}" if rs and "first_step_done_s" in rs[0] else "–"  # noqa: E731
+        rows = [["TRL 1.16 `GRPOTrainer`", f"{w['trl']['step_s']:.2f} ({w['trl']['generate_s']:.2f} / "
+                 f"{w['trl']['train_s']:.2f})", f"{w['trl']['completion_len_mean']:.1f}",
+                 " / ".join(f"{r['process_s']:.0f}" for r in runs["trl"]), "–", "1.00"]]
+        for key, label, rs in (("jaxrl", "jaxrl (`REAL_ARGS` + `REAL_TRAIN`): cold / warm",
+                                runs["jaxrl_cold"] + runs["jaxrl_warm"]),
+                               ("jaxrl_default_train", "jaxrl, the train section's defaults (warm)",
+                                runs["jaxrl_default_train"])):
+            j = w[key]
+            rows.append([label, f"{j['step_s']:.2f} ({j['generate_s']:.2f} / {j['train_s']:.2f})",
+                         f"{j['completion_len_mean']:.1f}", " / ".join(f"{r['process_s']:.0f}" for r in rs),
+                         first(rs), f"**{j['step_s'] / w['trl']['step_s']:.2f}**"])
+        ok = lambda good: "✓" if good else "✗"                               # noqa: E731
+        t, cold = REAL_TARGETS, runs["jaxrl_cold"][0]
+        first_s = cold.get("first_step_done_s", float("inf"))
+        jl, tl = lim["jaxrl"], lim["trl"]
+        goals = [
+            ["median step ÷ TRL's", f"≤ {t['step_ratio']:g}", f"{w['step_ratio']:.2f} {ok(w['step_ratio'] <= t['step_ratio'])}"],
+            [f"whole cold {h['steps']}-step process ÷ TRL's", f"≤ {t['process_ratio_cold']:g}",
+             f"{w['process_ratio_cold']:.2f} {ok(w['process_ratio_cold'] <= t['process_ratio_cold'])}"],
+            ["first RL step done, cold cache (s from start)", f"≤ {t['first_step_s']:.0f}",
+             f"{first_s:.0f} {ok(first_s <= t['first_step_s'])}"],
+            ["train phase, of the float32 matmul peak: real tokens / as computed (TRL: real / as computed)",
+             f"≥ {100 * t['train_fraction']:.0f}%",
+             f"{100 * jl['train_ideal_fraction']:.0f}% / {100 * jl['train_computed_fraction']:.0f}% "
+             f"{ok(jl['train_ideal_fraction'] >= t['train_fraction'])} (TRL {100 * tl['train_ideal_fraction']:.0f}% / "
+             f"{100 * tl['train_computed_fraction']:.0f}%)"],
+            [f"rollout per engine step at {lim['decode_rows']} rows ÷ the decode roofline ({lim['decode_roofline_ms']:.1f} ms)",
+             f"≤ {t['decode_roofline_ratio']:g}",
+             f"{jl['rollout_ms_per_engine_step']:.0f} ms = {jl['decode_roofline_ratio']:.1f}× "
+             f"{ok(jl['decode_roofline_ratio'] <= t['decode_roofline_ratio'])}"]]
+        how = (f"{h['steps']} steps of {h['prompts_per_step']} prompts × {h['group']} samples, ≤ {w['max_new']} new "
+               f"tokens, chat prompts of {w['prompt_len']['mean']:.0f} tokens, lr {h['lr']:g}, clip {h['clip_low']:g}, "
+               f"no KL, float32, in the order jaxrl cold, TRL, jaxrl warm, TRL, jaxrl with the default train "
+               f"section. Step: each side's median over every step of its runs (rollout / the rest). jaxrl's "
+               f"overrides besides the workload's own: `{' '.join(w['jaxrl_args'])}`. The roofline of a decode step: "
+               f"the larger of reading the float32 weights once ({lim['weight_read_ms']:.1f} ms at "
+               f"{lim['read_gbs']:.0f} GB/s) and its matmuls at the peak ({lim['decode_matmul_ms']:.1f} ms at "
+               f"{lim['peak_gflops']:.0f} GFLOP/s); the rollout's seconds per engine step include the prefill, so "
+               f"they bound a decode step from above. Load average (1 min) before / after: "
+               f"{d['loadavg_before'][0]:.2f} / {d['loadavg_after'][0]:.2f}.")
+        return (table(["system", "step s (rollout / train)", "response tokens", f"whole {h['steps']}-step process s",
+                       "first step done s", "step ÷ TRL's"], "lrrrrr", rows) + "\n\n"
+                + table(["target", "goal", "measured"], "lrr", goals) + "\n\n" + how + "\n\n" + footer(REAL))
+
+    @renders("real-profile")
+    def real_profile() -> str:
+        """docs/benchmarks.md: where the real model's step goes (scripts/bench_real_profile.py)."""
+        if not (results_dir() / PROFILE).exists():
+            return ("**Not measured yet:** `scripts/venv.sh python scripts/bench_real_profile.py`, then "
+                    "`scripts/venv.sh python scripts/docs.py`.")
+        d = load(PROFILE)
+        base = next(r for r in d["train"] if r["remat"] == "dots" and r["micro_batches"] == 2)
+        rows = [[f"`{r['remat']}`", f"{r['micro_batches']} × {r['rows']} rows ({r['tokens_computed']} tokens)",
+                 f"{r['seconds']:.2f}", f"{base['seconds'] / r['seconds']:.2f}×", f"{100 * r['computed_fraction']:.0f}%",
+                 f"{100 * r['ideal_fraction']:.0f}%", f"{r['compile_s']:.1f}"] for r in d["train"]]
+        th = d["threads"]
+        busy = th["seconds_by_busy_threads"]
+        alone = ", ".join(f"{k} {v:.2f} s" for k, v in list(th["alone_by_op"].items())[:3])
+        dec = d["decode"]
+        drows = [[k, f"{v['ms']:.1f}", f"{v['ms'] / dec['roofline_ms']:.1f}×"] for k, v in dec["steps"].items()]
+        wl = d["workload"]
+        how = (f"The update of bench_e2e's real-model step ({wl['sequences']} sequences of a {wl['prompt']}-token "
+               f"prompt and a {wl['response']}-token response, pack length {wl['pack_len']}) on one device, the "
+               f"gradient program only, best of interleaved rounds; of peak: FLOPs as computed (every position of "
+               f"every row) / real tokens only, ÷ {d['peak']['gflops']:.0f} GFLOP/s. One update of the fastest "
+               f"(`{th['remat']}`, {th['rows']} rows, {th['wall_s']:.2f} s) traced: of its XLA:CPU worker threads' "
+               f"time line, {busy.get('2', 0):.2f} s had both cores running an op, {busy.get('1', 0):.2f} s one "
+               f"and {busy.get('0', 0):.2f} s none; alone the longest: {alone} (a matmul that starts while the "
+               f"other core is busy stays on its own core to the end).")
+        return (table(["remat", "micro-batches", "update s", "vs default", "of peak, as computed", "of peak, real tokens",
+                       "compile s"], "llrrrrr", rows) + "\n\n" + how + "\n\n"
+                + table([f"decode, {dec['rows']} rows at context {dec['context']}", "ms", "÷ roofline"], "lrr", drows)
+                + f"\n\nRoofline {dec['roofline_ms']:.1f} ms: the larger of reading the weights "
+                  f"({dec['weight_read_ms']:.1f} ms) and the matmuls at the peak ({dec['matmul_ms']:.1f} ms)."
+                + "\n\n" + footer(PROFILE))
 
     @renders("cold-start")
     def cold_start() -> str:

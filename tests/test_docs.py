@@ -165,6 +165,8 @@ MEASURES = {
     "bench_sim_validation.json": ("jaxrl/sim", "jaxrl/rollout", "models"),
     "composition.json": ("jaxrl/config",),
     "bench_opd.json": _WHOLE,
+    "bench_real_e2e.json": _WHOLE,
+    "bench_real_profile.json": (*_STEP, *_ENGINE),
 }
 
 # Rendered blocks older than STALE_AFTER commits to what they measure when this check was added (the count then
