@@ -73,7 +73,8 @@ QUICK = {"tiny": dict(max_new=16)}
 # to the batch, and the train phase run as one micro-batch of the whole batch (32 rows x pack_len 96) with
 # layer remat: measured 1.4-1.6x faster than the defaults (2048-token micro-batches: 2 of 21 rows, and dots
 # remat) on this workload (docs/benchmarks.md, "Real model: the profile"). `default_train` drops the last two.
-REAL_ARGS = ("data.chat=true", "data.max_prompt_len=48", "engine.max_batch=32", "engine.page_buckets=2",
+REAL_PROMPT_LEN = 48      # data.max_prompt_len of the real model's chat prompts (40 tokens with the template)
+REAL_ARGS = ("data.chat=true", f"data.max_prompt_len={REAL_PROMPT_LEN}", "engine.max_batch=32", "engine.page_buckets=2",
              "engine.prefill_tokens=1024")
 REAL_TRAIN = ("trainer.micro_batch_tokens=3072", "trainer.remat=layer")
 
@@ -82,7 +83,7 @@ def jaxrl_args(paths: dict, run_dir: Path, max_new: int, h: dict, extra: tuple[s
     """The overrides a user gives `python -m jaxrl.train` for this workload (the quickstart's defaults else);
     `extra` (the real model's REAL_ARGS) comes last, so it wins."""
     module, fn = paths["reward"].rsplit(":", 1)
-    prompt_len = 48 if extra else workload.PROMPT_LEN + 8
+    prompt_len = REAL_PROMPT_LEN if extra else workload.PROMPT_LEN + 8
     return [f"run_dir={run_dir}", f"model.hf_path={paths['model']}", f"data.source={paths['prompts']}",
             "data.chat=false", f"data.max_prompt_len={prompt_len}", f"rewards.fn={Path(module).stem}:{fn}",
             f"algo.group_size={h['group']}", f"algo.prompts_per_step={h['prompts_per_step']}",
@@ -201,7 +202,7 @@ def real_model_limits(entry: dict, cfg, h: dict, peak: dict, prompt: dict) -> di
                decode_roofline_ms=roofline * 1e3, weight_read_ms=weight_bytes / peak["read_gbs"] / 1e6,
                decode_matmul_ms=decode_flops / peak["gflops"] / 1e6)
     jaxrl_runs = entry["runs"]["jaxrl_cold"] + entry["runs"]["jaxrl_warm"]
-    pack = 48 + entry["max_new"]
+    pack = REAL_PROMPT_LEN + entry["max_new"]
     steps = {"jaxrl": [(pack, s) for r in jaxrl_runs for s in r["steps"]],
              "trl": [(prompt["max"] + s["completion_len_max"], s) for r in entry["runs"]["trl"] for s in r["steps"]]}
     for side, xs in steps.items():

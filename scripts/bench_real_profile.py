@@ -80,11 +80,11 @@ def load_model(quick: bool, model: Path | None = None):
     return cfg, w
 
 
-def micro_batch(rows: int, seed: int = 0) -> dict:
+def micro_batch(rows: int, vocab: int, seed: int = 0) -> dict:
     """`rows` packed rows of one sequence each: PROMPT + RESPONSE real tokens, then padding (segment 0)."""
     rng = np.random.default_rng(seed)
     seq = PROMPT + RESPONSE
-    tokens = rng.integers(3, 49152, (rows, PACK)).astype(np.int32)
+    tokens = rng.integers(3, vocab, (rows, PACK)).astype(np.int32)
     seg = np.zeros((rows, PACK), np.int32)
     seg[:, :seq] = 1
     mask = np.zeros((rows, PACK), bool)
@@ -110,7 +110,7 @@ def train_profile(cfg, w, peak: dict, repeats: int, variants=VARIANTS) -> list[d
 
     progs = {}
     for remat, rows, calls in variants:
-        b = micro_batch(rows)
+        b = micro_batch(rows, cfg.vocab_size)
         t = time.perf_counter()
         c = make_grad_step(cfg, LossSpec(remat=remat)).lower(w, b).compile()
         progs[(remat, rows, calls)] = (c, b, time.perf_counter() - t)
@@ -163,7 +163,7 @@ def thread_timeline(trace_dir: Path) -> dict:
 def threads_profile(cfg, w, remat: str, rows: int) -> dict:
     from jaxrl.train.step import LossSpec, make_grad_step
 
-    b = micro_batch(rows)
+    b = micro_batch(rows, cfg.vocab_size)
     c = make_grad_step(cfg, LossSpec(remat=remat)).lower(w, b).compile()
     jax.block_until_ready(c(w, b))
     d = Path(tempfile.mkdtemp(prefix="real_profile_trace-"))
